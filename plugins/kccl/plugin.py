@@ -1,0 +1,1 @@
+"""Plugin registration (filled in by its issue)."""

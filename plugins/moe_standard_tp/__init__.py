@@ -1,0 +1,1 @@
+"""Third-party model architectures under standard tensor parallelism (Llama family)."""
