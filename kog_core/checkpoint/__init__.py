@@ -51,6 +51,25 @@ def load_checkpoint(path: str | Path, progress: bool = True) -> Checkpoint:
     raise CheckpointError(f"{path} is not a model directory, .gguf or .safetensors file")
 
 
+def load_tokenizer(path: str | Path) -> "Tokenizer | None":
+    """Only the tokenizer of a checkpoint (fast: no weights are read or dequantized); None if it has none."""
+    from ..tokenizer import Tokenizer
+    from .gguf_loader import metadata, open_reader
+
+    path = Path(path).expanduser()
+    if path.is_dir() and not shard_files(path):
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    if path.is_file() and path.suffix == ".gguf":
+        meta = metadata(open_reader(path))
+        return Tokenizer.from_gguf_metadata(meta) if meta.get("tokenizer.ggml.model") else None
+    directory = path if path.is_dir() else path.parent
+    try:
+        return Tokenizer.from_hf_dir(directory)
+    except CheckpointError:
+        return None
+
+
 def _load_safetensors(directory: Path, files: list[Path], source: Path, progress: bool) -> Checkpoint:
     from ..tokenizer import Tokenizer
 
@@ -61,8 +80,11 @@ def _load_safetensors(directory: Path, files: list[Path], source: Path, progress
         tensors.update(load_safetensors_file(file))
         bar.update(1)
     bar.close()
-    tokenizer, note = Tokenizer.from_hf_dir(directory, config)
-    return Checkpoint(config, tensors, source, "safetensors", tokenizer, [note] if note else [])
+    try:
+        tokenizer, notes = Tokenizer.from_hf_dir(directory, config), []
+    except CheckpointError as e:  # weights without a tokenizer still run (token ids in, ids out)
+        tokenizer, notes = None, [f"no tokenizer: {e}"]
+    return Checkpoint(config, tensors, source, "safetensors", tokenizer, notes)
 
 
 def _read_config(directory: Path) -> dict:
@@ -82,4 +104,4 @@ def _read_config(directory: Path) -> dict:
     return config
 
 
-__all__ = ["Checkpoint", "load_checkpoint", "validate_tensors", "unexpected_tensors"]
+__all__ = ["Checkpoint", "load_checkpoint", "load_tokenizer", "validate_tensors", "unexpected_tensors"]

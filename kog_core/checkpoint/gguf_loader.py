@@ -3,7 +3,9 @@ HF-style config built from the metadata, so the rest of kog sees one checkpoint 
 from __future__ import annotations
 
 import re
+import struct
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,29 +68,122 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def open_reader(path: Path):
-    import gguf
+@dataclass
+class GGUFTensor:
+    name: str
+    tensor_type: Any            # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]      # GGUF order: fastest-varying axis first
+    data: np.ndarray            # memory-mapped raw data, as gguf.GGUFReader lays it out
+
+
+@dataclass
+class GGUFFile:
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+# GGUF metadata value types (gguf.GGUFValueType) -> struct format of a scalar
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+# Unquantized GGML tensor types -> numpy dtype (everything else is read as raw bytes)
+_PLAIN_TENSOR_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "I8": np.dtype("i1"),
+                        "I16": np.dtype("<i2"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8")}
+
+
+def open_reader(path: Path) -> GGUFFile:
+    """Parse a GGUF file's metadata and tensor table; tensor data stays memory-mapped.
+
+    Our own parser rather than gguf.GGUFReader: that one builds a numpy view per array element,
+    which takes seconds for a 50k-token vocabulary."""
     try:
-        return gguf.GGUFReader(path, "r")
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
     except FileNotFoundError:
         raise CheckpointError(f"GGUF file {path} does not exist") from None
-    except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read GGUF file {path} ({e}); re-download it") from None
+    try:
+        return _parse(mapped)
+    except (struct.error, ValueError, KeyError, IndexError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not a readable GGUF file ({e}); re-download it") from None
 
 
-def metadata(reader) -> dict[str, Any]:
+def _parse(mapped: np.ndarray) -> GGUFFile:
+    import gguf
+    buf = memoryview(mapped)  # zero-copy view for struct.unpack_from
+    pos = 0
+
+    def scalar(fmt):
+        nonlocal pos
+        (value,) = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string():
+        nonlocal pos
+        length = scalar("Q")
+        text = bytes(buf[pos:pos + length]).decode("utf-8")
+        pos += length
+        return text
+
+    def value(kind):
+        nonlocal pos
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            item_kind, count = scalar("I"), scalar("Q")
+            if item_kind == _STRING:
+                return [string() for _ in range(count)]
+            if item_kind in _SCALAR_FORMATS:  # numbers: one vectorised read
+                dtype = np.dtype("<" + _SCALAR_FORMATS[item_kind].replace("?", "b1"))
+                items = np.frombuffer(buf, dtype=dtype, count=count, offset=pos)
+                pos += count * dtype.itemsize
+                return items.tolist()
+            return [value(item_kind) for _ in range(count)]  # arrays of arrays
+        return scalar(_SCALAR_FORMATS[kind])
+
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError("bad magic, not GGUF")
+    pos = 4
+    version = scalar("I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (big-endian or too new)")
+    n_tensors, n_kv = scalar("Q"), scalar("Q")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        meta[key] = value(scalar("I"))
+
+    table = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = tuple(scalar("Q") for _ in range(scalar("I")))
+        table.append((name, gguf.GGMLQuantizationType(scalar("I")), dims, scalar("Q")))
+    alignment = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    data_start = -(-pos // alignment) * alignment
+
+    tensors = []
+    for name, kind, dims, offset in table:
+        numel = int(np.prod(dims, dtype=np.int64))
+        block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+        start = data_start + offset
+        raw = mapped[start:start + numel // block_size * type_size]
+        numpy_dims = tuple(reversed(dims))
+        if kind.name in _PLAIN_TENSOR_DTYPES:
+            data = raw.view(_PLAIN_TENSOR_DTYPES[kind.name]).reshape(numpy_dims)
+        else:  # quantized and BF16: bytes, one row per leading index, as GGUFReader gives them
+            data = raw.reshape(*numpy_dims[:-1], numpy_dims[-1] // block_size * type_size)
+        tensors.append(GGUFTensor(name, kind, dims, data))
+    return GGUFFile(meta, tensors)
+
+
+def metadata(reader: GGUFFile) -> dict[str, Any]:
     """Every metadata key -> its Python value (strings, numbers, lists)."""
-    out = {}
-    for key, field in reader.fields.items():
-        try:
-            out[key] = field.contents()
-        except Exception:  # a field type this gguf version cannot decode: not one we need
-            continue
-    return out
+    return reader.metadata
 
 
-def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: Path) -> dict:
-    """An HF-style config.json dict from GGUF metadata."""
+def gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], source: Path) -> dict:
+    """An HF-style config.json dict from GGUF metadata (tensor_shapes: GGUF names, numpy order)."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not supported "
@@ -105,9 +200,10 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: Path) -> d
     n_heads = int(get("attention.head_count", required=True))
     n_kv_heads = int(get("attention.head_count_kv", n_heads))
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // n_heads
-    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or None
-    if vocab is None:
-        raise CheckpointError(f"{source}: GGUF metadata has neither {arch}.vocab_size nor a token list")
+    vocab = (get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+             or tensor_shapes.get("token_embd.weight", (None,))[0])
+    if not vocab:
+        raise CheckpointError(f"{source}: GGUF file has no {arch}.vocab_size, token list or token_embd.weight")
 
     config = {
         "model_type": model_type,
@@ -122,8 +218,8 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: Path) -> d
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_shapes,
         "torch_dtype": "float32",
     }
     scaling_type = get("rope.scaling.type")
@@ -171,8 +267,8 @@ def load_gguf(path: Path, progress: bool = False):
 
     reader = open_reader(path)
     meta = metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = gguf_config(meta, names, path)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    config = gguf_config(meta, shapes, path)
     arch = meta["general.architecture"]
     unpermute = arch in PERMUTED_QK_ARCHITECTURES
 

@@ -122,8 +122,10 @@ class ReferenceBackend(KernelBackend):
             W, a = self.t[w], self._local(x)
             if W.ndim == 3:
                 y = np.matmul(W, a[..., None])[..., 0]
+            elif a.shape[0] == 1:
+                y = (W @ a[0])[None]  # a plain gemv: BLAS is ~10x faster here than a @ W.T
             else:
-                y = a @ W.T
+                y = (W @ a.T).T
             if bias is not None:
                 y = y + self.t[bias]
             if residual is not None:

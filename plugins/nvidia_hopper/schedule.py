@@ -1,0 +1,443 @@
+"""Lower a DecodeProgram into the monokernel's stage list (pure Python + numpy, no CUDA).
+
+A *stage* is a group of program ops that the persistent kernel runs between two completion
+counters. Fusions (all checked, otherwise the op becomes its own stage):
+- embed / rmsnorm(ungrouped) feeding matvecs: folded into the matvec stage's input loader
+  (every block recomputes the norm of a <=16k-float row: cheaper than a sync);
+- consecutive matvecs reading the same input: one stage with up to 4 segments (q, k, v);
+- matvec(gate) + matvec(up) + swiglu: one paired segment writing silu(g) * u directly;
+- rope(q) + rope(k) + kv_append + attention: one attention stage (split over lane x kv head x
+  chunk of positions; the chunk owning `pos` writes the new K/V to the cache).
+The result is a list of dicts with symbolic tensor references ("@name"); backend.py resolves
+them to device pointers and packs int64 descriptor rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kog_core.errors import CapabilityError
+from kog_core.program import DecodeProgram
+
+NT = 512
+NW = NT // 32
+NSLOT = 96
+SEG_STRIDE = 12
+MAX_SEGS = 4
+
+# ---- descriptor slots (shared with the .cu through a generated header) ----
+SLOTS = dict(
+    S_TYPE=0,
+    # matvec
+    MV_NTILES=1, MV_K=2, MV_S=3, MV_FLAGS=4, MV_IN_MODE=5, MV_IN=6, MV_NORM_W=7, MV_NORM_WL=8,
+    MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_SEG0=16,
+    SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
+    SEG_RESL=8, SEG_W2=9, SEG_TILE0=10, SEG_TPL=11,
+    # attention
+    AT_L=1, AT_H=2, AT_HKV=3, AT_HD=4, AT_T=5, AT_WINDOW=6, AT_MAXCH=7, AT_SCALE=8, AT_Q=9,
+    AT_KC=10, AT_VC=11, AT_OUT=12, AT_ROPE_Q=13, AT_ROPE_K=14, AT_COS=15, AT_SIN=16, AT_KNEW=17,
+    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22,
+    # elementwise
+    EW_OP=1, EW_L=2, EW_D=3, EW_A=4, EW_B=5, EW_C=6, EW_OUT=7, EW_OUT2=8, EW_GROUP=9, EW_WL=10,
+    EW_F0=11, EW_HD=12, EW_STYLE=13, EW_T=14, EW_LIN=15,
+    # sample
+    SM_V=1, SM_LOGITS=2, SM_ARGMAX=3, SM_NPART=4,
+)
+CONSTS = dict(
+    NSLOT=NSLOT, SEG_STRIDE=SEG_STRIDE,
+    ST_MATVEC=1, ST_ATTN=2, ST_EW=3, ST_SAMPLE=4,
+    IN_EMBED=1, IN_NORM=2,
+    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4,
+    OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
+    OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
+)
+# run-parameter slots (int64 array in device memory)
+RUN = dict(
+    R_PROMPT=0, R_PROMPT_LEN=1, R_START_POS=2, R_MAXNEW=3, R_STOPIDS=4, R_NSTOP=5, R_TEMP=6,
+    R_TOPK=7, R_TOPP=8, R_SEED=9, R_LOGITS_ALL=10, R_LOGITS_MODE=11, R_HOST_OUT=12,
+    R_HOST_COUNT=13, R_CANCEL=14, R_CTX=15, R_SCRATCH=16, R_TOK=17, R_STOP=18,
+)
+NRUN = 24
+
+SUPPORTED_OPS = frozenset({"embed", "rmsnorm", "matvec", "rope", "kv_append", "attention", "swiglu",
+                           "add", "copy", "lane_mean", "lane_sum", "collective", "lane_residual",
+                           "sample"})
+
+
+def header() -> str:
+    lines = [f"#define {k} {v}" for d in (SLOTS, CONSTS, RUN) for k, v in d.items()]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Stage:
+    type: str                      # matvec | attn | ew | sample
+    f: dict = field(default_factory=dict)
+    segs: list = field(default_factory=list)
+    ops: list = field(default_factory=list)   # program op indices it covers
+    smem: int = 0                  # dynamic shared memory bytes it needs
+    label: str = ""
+
+
+def _readers(ops, i, name):
+    """Indices j > i of ops reading `name` before an op (j > i) overwrites it without reading."""
+    out = []
+    for j in range(i + 1, len(ops)):
+        op = ops[j]
+        if name in op.inputs:
+            out.append(j)
+        if name in op.outputs and name not in op.inputs:
+            break
+        if name in op.outputs:
+            break
+    return out
+
+
+def _writes_between(ops, i, j, name):
+    return any(name in ops[k].outputs for k in range(i + 1, j))
+
+
+def choose_split(K: int, n_rows: list[tuple[int, int, bool]], nb: int) -> int:
+    """Pick the K-split S (warps per row group) so the tiles fill the grid evenly."""
+    best, best_eff = 1, -1.0
+    for S in (1, 2, 4, 8, 16):
+        if S > 1 and K // S < 256:
+            break
+        tiles = 0
+        for N, L, swi in n_rows:
+            R = (NW // S) * (1 if swi else 2)
+            tiles += L * -(-N // R)
+        eff = tiles / (-(-tiles // nb) * nb)
+        if eff > best_eff + 0.04:
+            best, best_eff = S, eff
+        if eff >= 0.9:
+            break
+    return best
+
+
+def lower(program: DecodeProgram, nb: int) -> list[Stage]:
+    P = program
+    ops = P.ops
+    T = P.tensors
+    L = P.lanes
+    unsupported = sorted(P.op_kinds() - SUPPORTED_OPS)
+    if unsupported:
+        raise CapabilityError(f"nvidia_hopper does not implement ops {', '.join(unsupported)}")
+    stages: list[Stage] = []
+    pending: dict[str, dict] = {}   # tensor -> loader (embed/norm) not materialised
+    done = set()
+    i = 0
+
+    def shape_row(name):
+        s = T[name].shape
+        return s[-1]
+
+    def loader_for(x):
+        if x in pending:
+            return dict(pending[x])
+        return dict(mode=0, inp="@" + x, K=shape_row(x))
+
+    def flush_pending(name):
+        """Materialise a pending tensor as its own stage (it is needed by a non-matvec op)."""
+        ld = pending.pop(name)
+        if ld["mode"] & 1:
+            st = Stage("ew", dict(EW_OP="OP_EMBED", EW_L=L, EW_D=ld["K"], EW_A=ld["table"], EW_OUT="@" + ld["emb_name"]),
+                       label="embed")
+            stages.append(st)
+        if ld["mode"] & 2:
+            src = ld["emb_name"] if ld["mode"] & 1 else ld["inp"][1:]
+            st = Stage("ew", dict(EW_OP="OP_RMSNORM", EW_L=T[src].shape[0] if len(T[src].shape) > 1 else 1,
+                                  EW_D=ld["K"], EW_A="@" + src, EW_B=ld["norm_w"], EW_OUT="@" + name,
+                                  EW_GROUP=ld["K"], EW_WL=ld["norm_wl"], EW_F0=("f", ld["eps"])), label="rmsnorm")
+            stages.append(st)
+
+    while i < len(ops):
+        op = ops[i]
+        k = op.kind
+        if k == "embed":
+            table, out = op.inputs[0], op.outputs[0]
+            pending[out] = dict(mode=1, table="@" + table, emb_name=out, K=shape_row(out), inp=None)
+            # the embedding must still be written (residual stream): done by block 0 in the fused stage
+            i += 1
+            continue
+        if k == "rmsnorm" and not (op.attr("group") and op.attr("group") != shape_row(op.inputs[0])):
+            x, w, out = op.inputs[0], op.inputs[1], op.outputs[0]
+            rd = _readers(ops, i, out)
+            wspec = T[w]
+            if rd and all(ops[j].kind == "matvec" and ops[j].inputs[0] == out and out not in ops[j].inputs[1:]
+                          and not _writes_between(ops, i, j, x) for j in rd) and x != out:
+                base = pending.pop(x, None) if x in pending else None
+                ld = dict(mode=2, inp="@" + x, K=shape_row(x), norm_w="@" + w,
+                          norm_wl=(shape_row(x) if len(wspec.shape) == 2 else 0), eps=float(op.attr("eps")))
+                if base is not None:
+                    if base["mode"] != 1:
+                        pending[x] = base
+                        flush_pending(x)
+                    else:
+                        ld.update(mode=3, table=base["table"], emb_name=base["emb_name"])
+                pending[out] = ld
+                i += 1
+                continue
+        # any op reading a pending tensor other than a matvec input forces it out
+        for t in op.inputs:
+            if t in pending and not (k == "matvec" and op.inputs[0] == t):
+                flush_pending(t)
+        if k == "matvec":
+            x = op.inputs[0]
+            ld = loader_for(x)
+            group = [i]
+            j = i + 1
+            written = set(op.outputs)
+            while j < len(ops) and ops[j].kind == "matvec" and ops[j].inputs[0] == x and len(group) < MAX_SEGS:
+                if any(t in written for t in ops[j].inputs) or ops[j].outputs[0] == x:
+                    break
+                group.append(j)
+                written |= set(ops[j].outputs)
+                j += 1
+            segs = []
+            consumed = set(group)
+            gi = 0
+            nxt = j
+            while gi < len(group):
+                a = ops[group[gi]]
+                # gate/up/swiglu pairing: a, b adjacent in group, swiglu(a.out, b.out) right after group
+                if gi + 1 < len(group) and nxt < len(ops) and ops[nxt].kind == "swiglu":
+                    b = ops[group[gi + 1]]
+                    sw = ops[nxt]
+                    ga, gb = a.outputs[0], b.outputs[0]
+                    if (sw.inputs[0] == ga and sw.inputs[1] == gb and not a.attr("has_bias") and not b.attr("has_bias")
+                            and not a.attr("has_residual") and not b.attr("has_residual")
+                            and _readers(ops, nxt - 0, ga) == [] and _readers(ops, nxt, gb) == []
+                            and _readers(ops, group[gi + 1], ga) == [nxt] and T[a.inputs[1]].shape == T[b.inputs[1]].shape):
+                        segs.append(_seg(P, a, L, w2=b.inputs[1], out=sw.outputs[0]))
+                        consumed.add(nxt)
+                        gi += 2
+                        continue
+                segs.append(_seg(P, a, L))
+                gi += 1
+            if x in pending:
+                # the loader replaces the (never materialised) normalised tensor
+                pass
+            K = ld["K"]
+            if K % 8:
+                raise CapabilityError(f"nvidia_hopper needs matvec inner sizes that are multiples of 8 (got {K})")
+            f = dict(MV_K=K, MV_IN_MODE=ld["mode"], MV_IN=ld.get("inp") or 0, MV_L=L,
+                     MV_NORM_W=ld.get("norm_w", 0), MV_NORM_WL=ld.get("norm_wl", 0),
+                     MV_EPS=("f", ld.get("eps", 0.0)), MV_EMB_TABLE=ld.get("table", 0),
+                     MV_EMB_OUT=("@" + ld["emb_name"]) if ld["mode"] & 1 else 0, MV_FLAGS=0)
+            st = Stage("matvec", f, segs, ops=sorted(consumed),
+                       label="+".join(ops[g].inputs[1].split(".")[-2] if "." in ops[g].inputs[1] else ops[g].inputs[1] for g in group))
+            st.smem = (K + 16 + 2 * NW) * 4
+            stages.append(st)
+            # embedding written by this stage: no longer pending
+            if ld["mode"] & 1:
+                pending.pop(ld["emb_name"], None)
+            i = max(consumed) + 1
+            continue
+        if k in ("rope", "kv_append", "attention"):
+            fused = _match_attention(ops, i, T)
+            if fused is not None:
+                stages.append(_attn_stage(P, ops, fused, nb))
+                i = fused[-1] + 1
+                continue
+        if k == "attention":
+            stages.append(_attn_stage(P, ops, [i], nb))
+            i += 1
+            continue
+        if k == "sample":
+            stages.append(Stage("sample", dict(SM_V=P.vocab_size, SM_LOGITS="@" + op.inputs[0]), ops=[i], label="sample"))
+            i += 1
+            continue
+        if k == "collective":
+            i += 1  # one GPU holds every lane: nothing to do
+            continue
+        stages.append(_ew_stage(P, op, i))
+        i += 1
+    for name in list(pending):
+        if _readers(ops, -1, name):
+            pass
+    _finish(P, stages)
+    return stages
+
+
+def _seg(P, op, L, w2=None, out=None):
+    W = P.tensors[op.inputs[1]]
+    if len(W.shape) == 3:
+        _, N, K = W.shape
+        wl = N * K
+    else:
+        N, K = W.shape
+        wl = 0
+    extra = list(op.inputs[2:])
+    bias = extra.pop(0) if op.attr("has_bias") else None
+    res = extra.pop(0) if op.attr("has_residual") else None
+    o = out or op.outputs[0]
+    ol = P.tensors[o].shape[-1] if len(P.tensors[o].shape) > 1 else 0
+    d = dict(SEG_W="@" + op.inputs[1], SEG_WL=wl, SEG_N=N, SEG_OUT="@" + o, SEG_OUTL=ol,
+             SEG_BIAS=("@" + bias) if bias else 0, SEG_BIASL=(N if bias and len(P.tensors[bias].shape) == 2 else 0),
+             SEG_RES=("@" + res) if res else 0, SEG_RESL=(P.tensors[res].shape[-1] if res else 0),
+             SEG_W2=("@" + w2) if w2 else 0, lanes=(L if (wl or L > 1) else 1), out_name=o)
+    if len(W.shape) == 2 and L > 1:
+        d["lanes"] = L
+    return d
+
+
+def _match_attention(ops, i, T):
+    """rope(q), rope(k), kv_append(k, v), attention(q) in a row (the ropes optional)."""
+    idx = []
+    j = i
+    ropes = []
+    while j < len(ops) and ops[j].kind == "rope" and len(ropes) < 2:
+        ropes.append(j)
+        j += 1
+    if j >= len(ops) or ops[j].kind != "kv_append":
+        return None
+    kva = j
+    if j + 1 >= len(ops) or ops[j + 1].kind != "attention":
+        return None
+    att = j + 1
+    A, KV = ops[att], ops[kva]
+    q, k = A.inputs[0], KV.inputs[0]
+    if KV.inputs[2] != A.inputs[1] or KV.inputs[3] != A.inputs[2]:
+        return None
+    for r in ropes:
+        R = ops[r]
+        if R.inputs[0] != R.outputs[0] or R.inputs[0] not in (q, k):
+            return None
+        if R.attr("head_dim") != A.attr("head_dim"):
+            return None
+    # the raw q / k / v must not be read by anything after the attention (we never write them roped)
+    for t in (q, k, KV.inputs[1]):
+        if any(j2 > att for j2 in _readers(ops, att, t)):
+            return None
+    return ropes + [kva, att]
+
+
+def _attn_stage(P, ops, idxs, nb):
+    A = ops[idxs[-1]]
+    T = P.tensors
+    kshape = T[A.inputs[1]].shape  # [L, Hkv, T, hd]
+    L, Hkv, Tctx, hd = kshape
+    H = A.attr("n_heads")
+    G = H // Hkv
+    if hd % 8 or hd > 256 or G > 8 or H % Hkv:
+        raise CapabilityError(f"nvidia_hopper attention needs head_dim % 8 == 0, <= 256 and <= 8 query heads per kv head")
+    if T[A.inputs[1]].dtype not in ("bf16", "f32"):
+        raise CapabilityError("unsupported KV dtype")
+    f = dict(AT_L=L, AT_H=H, AT_HKV=Hkv, AT_HD=hd, AT_T=Tctx, AT_WINDOW=A.attr("window") or 0,
+             AT_SCALE=("f", float(A.attr("scale"))), AT_Q="@" + A.inputs[0], AT_KC="@" + A.inputs[1],
+             AT_VC="@" + A.inputs[2], AT_OUT="@" + A.outputs[0], AT_ROPE_Q=0, AT_ROPE_K=0, AT_COS=0, AT_SIN=0,
+             AT_KNEW=0, AT_VNEW=0, AT_TARGET=nb)
+    maxch = max(-(-Tctx // 512), max(1, nb // (L * Hkv)))
+    f["AT_MAXCH"] = maxch
+    scratch = dict(part_o=L * H * maxch * hd, part_ml=L * H * maxch * 2, ticket=L * Hkv)
+    if len(idxs) > 1:
+        KV = ops[idxs[-2]]
+        q, k = A.inputs[0], KV.inputs[0]
+        f["AT_KNEW"], f["AT_VNEW"] = "@" + k, "@" + KV.inputs[1]
+        for r in idxs[:-2]:
+            R = ops[r]
+            style = 1 if R.attr("style") == "half" else 2
+            f["AT_COS"], f["AT_SIN"] = "cos:" + R.inputs[1], "sin:" + R.inputs[1]
+            if R.inputs[0] == q:
+                f["AT_ROPE_Q"] = style
+            else:
+                f["AT_ROPE_K"] = style
+    st = Stage("attn", f, ops=list(idxs), label="attention")
+    st.f["_scratch"] = scratch
+    st.smem = (8 * 256 + 512 + 8 * 512) * 4 + NT * 8 * G * 4 + 64
+    return st
+
+
+def _ew_stage(P, op, i):
+    T = P.tensors
+    k = op.kind
+    L = P.lanes
+
+    def lanes_of(name):
+        s = T[name].shape
+        return s[0] if len(s) > 1 else 1
+
+    if k == "rmsnorm":
+        x, w, out = op.inputs[0], op.inputs[1], op.outputs[0]
+        D = T[x].shape[-1]
+        grp = op.attr("group") or D
+        return Stage("ew", dict(EW_OP="OP_RMSNORM", EW_L=lanes_of(x), EW_D=D, EW_A="@" + x, EW_B="@" + w, EW_OUT="@" + out,
+                                EW_GROUP=grp, EW_WL=(D if len(T[w].shape) == 2 else 0), EW_F0=("f", float(op.attr("eps")))),
+                     ops=[i], label="rmsnorm")
+    if k == "rope":
+        x, inv, out = op.inputs[0], op.inputs[1], op.outputs[0]
+        return Stage("ew", dict(EW_OP="OP_ROPE", EW_L=lanes_of(x), EW_D=T[x].shape[-1], EW_A="@" + x, EW_B="cos:" + inv,
+                                EW_C="sin:" + inv, EW_OUT="@" + out, EW_HD=op.attr("head_dim"),
+                                EW_STYLE=1 if op.attr("style") == "half" else 2), ops=[i], label="rope")
+    if k == "kv_append":
+        kk, v, ck, cv = op.inputs
+        Lk, Hkv, Tc, hd = T[ck].shape
+        return Stage("ew", dict(EW_OP="OP_KVAPPEND", EW_L=Lk, EW_D=Hkv * hd, EW_A="@" + kk, EW_B="@" + v,
+                                EW_OUT="@" + ck, EW_OUT2="@" + cv, EW_HD=hd, EW_T=Tc), ops=[i], label="kv_append")
+    if k in ("swiglu", "add"):
+        a, b, out = op.inputs[0], op.inputs[1], op.outputs[0]
+        return Stage("ew", dict(EW_OP="OP_SWIGLU" if k == "swiglu" else "OP_ADD", EW_L=lanes_of(out), EW_D=T[out].shape[-1],
+                                EW_A="@" + a, EW_B="@" + b, EW_OUT="@" + out), ops=[i], label=k)
+    if k == "copy":
+        x, out = op.inputs[0], op.outputs[0]
+        return Stage("ew", dict(EW_OP="OP_COPY", EW_L=1, EW_D=T[out].numel, EW_A="@" + x, EW_OUT="@" + out), ops=[i], label="copy")
+    if k in ("lane_mean", "lane_sum"):
+        x, out = op.inputs[0], op.outputs[0]
+        return Stage("ew", dict(EW_OP="OP_LANE_MEAN" if k == "lane_mean" else "OP_LANE_SUM", EW_L=1, EW_D=T[out].shape[-1],
+                                EW_LIN=T[x].shape[0], EW_A="@" + x, EW_OUT="@" + out), ops=[i], label=k)
+    if k == "lane_residual":
+        x, fresh = op.inputs[0], op.inputs[1]
+        delayed = op.inputs[2] if len(op.inputs) > 2 else None
+        mode = {"local": 0, "allreduce": 1, "delayed": 2}[op.attr("mode")]
+        return Stage("ew", dict(EW_OP="OP_LANE_RESIDUAL", EW_L=T[x].shape[0], EW_D=T[x].shape[-1], EW_A=0, EW_B="@" + fresh,
+                                EW_C=("@" + delayed) if delayed else 0, EW_OUT="@" + x, EW_STYLE=mode,
+                                EW_F0=("f", float(op.attr("scale", 1.0)))), ops=[i], label="lane_residual")
+    raise CapabilityError(f"nvidia_hopper cannot run op {k}")
+
+
+def _finish(P, stages):
+    """Tile counts, K-splits, LM-head flags, prompt skipping."""
+    # the stage writing the logits: argmax partials for greedy, prompt positions skip it
+    logits = P.logits
+    first_tail = None
+    last_layer_stage = max((si for si, st in enumerate(stages) if any(P.ops[j].layer is not None for j in st.ops)), default=-1)
+    tail = list(range(last_layer_stage + 1, len(stages)))
+    # tail stages can be skipped for prompt positions if nothing before them reads what they write
+    tail_writes = set()
+    for si in tail:
+        for j in stages[si].ops:
+            tail_writes |= set(P.ops[j].outputs)
+    head_reads = set()
+    for si in range(0, last_layer_stage + 1):
+        for j in stages[si].ops:
+            head_reads |= set(P.ops[j].inputs)
+    skippable = not (tail_writes & head_reads)
+    for si, st in enumerate(stages):
+        if st.type == "matvec":
+            st.f["_skip"] = skippable and si in tail
+    return stages
+
+
+def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc):
+    K = st.f["MV_K"]
+    S = choose_split(K, [(s["SEG_N"], s["lanes"], bool(s["SEG_W2"])) for s in st.segs], nb)
+    tiles = 0
+    for s in st.segs:
+        R = (NW // S) * (1 if s["SEG_W2"] else 2)
+        tpl = -(-s["SEG_N"] // R)
+        s["SEG_TILE0"] = tiles
+        s["SEG_TPL"] = tpl
+        tiles += s["lanes"] * tpl
+    st.f["MV_S"] = S
+    st.f["MV_NTILES"] = tiles
+    st.f["MV_NSEG"] = len(st.segs)
+    flags = 0
+    if any(s["out_name"] == logits_name for s in st.segs):
+        flags |= 1  # MVF_LOGITS
+        if len(st.segs) == 1 and st.segs[0]["lanes"] == 1:
+            flags |= 4  # MVF_ARGMAX
+            st.f["MV_ARGMAX"] = argmax_alloc(tiles)
+    if st.f.get("_skip"):
+        flags |= 2
+    st.f["MV_FLAGS"] = flags
+    return st
