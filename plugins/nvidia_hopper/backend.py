@@ -1,0 +1,353 @@
+"""HopperBackend: the whole request in one cooperative launch of kernels/decode.cu."""
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from kog_core.errors import BackendUnavailable, CapabilityError, ContextLengthExceeded, KogError
+from kog_core.interfaces import CancelToken, KernelBackend, SamplingParams, StopCriteria
+from kog_core.program import DecodeProgram
+
+from . import schedule as S
+from .cuda_util import check, compile_cubin, ptxas_report, source
+
+
+def _f32bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+    a = np.asarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return np.ascontiguousarray(a).view(np.uint16)
+    return np.ascontiguousarray(a, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+class HopperBackend(KernelBackend):
+    name = "nvidia_hopper"
+
+    def __init__(self, device: int = 0, **options):
+        super().__init__(**options)
+        from cuda.bindings import driver as drv
+        self.drv = drv
+        err, = drv.cuInit(0)
+        if int(err) != 0:
+            raise BackendUnavailable(f"no NVIDIA GPU found (cuInit: {err.name})")
+        n = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
+        if n <= device:
+            raise BackendUnavailable(f"no NVIDIA GPU found (device count {n})")
+        self.dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
+        major = check(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.dev))
+        minor = check(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.dev))
+        if (major, minor) != (9, 0):
+            raise BackendUnavailable(f"nvidia_hopper needs an sm_90 GPU (H100/H200), found compute capability {major}.{minor}")
+        self.ctx = check(drv.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
+        check(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        self.sms = check(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.dev))
+        self.nb = int(options.get("blocks", self.sms))
+        self.stream = check(drv.cuStreamCreate(1), "cuStreamCreate")  # non-blocking
+        self.allocs: list = []
+        self._copy_bw = None
+        self.program = None
+
+    # ------------------------------------------------------------------ memory helpers
+    def _alloc(self, nbytes: int):
+        p = check(self.drv.cuMemAlloc(max(int(nbytes), 256)), f"cuMemAlloc({nbytes} bytes)")
+        self.allocs.append(p)
+        return int(p)
+
+    def _upload(self, arr: np.ndarray) -> int:
+        arr = np.ascontiguousarray(arr)
+        p = self._alloc(arr.nbytes)
+        check(self.drv.cuMemcpyHtoD(p, arr.ctypes.data, arr.nbytes), "cuMemcpyHtoD")
+        return p
+
+    def _host_mapped(self, nbytes: int):
+        drv = self.drv
+        h = check(drv.cuMemHostAlloc(nbytes, drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc")
+        d = check(drv.cuMemHostGetDevicePointer(h, 0), "cuMemHostGetDevicePointer")
+        return int(h), int(d)
+
+    # ------------------------------------------------------------------ load
+    def load(self, program: DecodeProgram, weights: Mapping[str, np.ndarray], *, rank: int = 0, ranks: int = 1,
+             collective=None) -> None:
+        drv = self.drv
+        if ranks != 1:
+            raise CapabilityError("nvidia_hopper runs on one GPU (all lanes on it); ranks > 1 is not supported")
+        problems = self.capabilities.check(program) if self.capabilities.ops else []
+        if problems:
+            raise CapabilityError("nvidia_hopper cannot run this model: " + "; ".join(problems))
+        self.program = program
+        stages = S.lower(program, self.nb)
+        self.T = program.context_length
+        ptr: dict[str, int] = {}
+        consts = program.metadata.get("consts", {})
+        for spec in program.tensors.values():
+            if spec.kind == "weight":
+                if spec.name not in weights:
+                    raise KogError(f"weight {spec.name!r} is missing from the checkpoint")
+                w = weights[spec.name]
+                if tuple(w.shape) != spec.shape:
+                    raise KogError(f"weight {spec.name!r} has shape {tuple(w.shape)}, the program expects {spec.shape}")
+                ptr[spec.name] = self._upload(_to_bf16_bits(w))
+            elif spec.kind == "const":
+                c = np.asarray(consts[spec.name], dtype=np.float32).reshape(spec.shape)
+                ptr[spec.name] = self._upload(c)
+                if c.ndim == 1:  # RoPE inverse frequencies -> exact cos/sin tables like the reference
+                    ang = np.arange(self.T, dtype=np.float64)[:, None] * c.astype(np.float64)[None, :]
+                    ptr["cos:" + spec.name] = self._upload(np.cos(ang).astype(np.float32))
+                    ptr["sin:" + spec.name] = self._upload(np.sin(ang).astype(np.float32))
+            elif spec.kind == "kv":
+                ptr[spec.name] = self._alloc(spec.numel * 2)  # bf16 KV cache
+                check(drv.cuMemsetD16(ptr[spec.name], 0, spec.numel), "cuMemsetD16")
+            elif spec.shape:
+                ptr[spec.name] = self._alloc(spec.numel * 4)
+                check(drv.cuMemsetD32(ptr[spec.name], 0, spec.numel), "cuMemsetD32")
+        self.ptr = ptr
+        self.argmax_ptr = 0
+        self.argmax_tiles = 0
+
+        def argmax_alloc(tiles):
+            self.argmax_ptr = self._alloc(tiles * 8)
+            self.argmax_tiles = tiles
+            return self.argmax_ptr
+
+        rows = []
+        smem = 4096
+        for st in stages:
+            if st.type == "matvec":
+                S.finalize_matvec(st, self.nb, program.logits, argmax_alloc)
+            if st.type == "attn":
+                sc = st.f.pop("_scratch")
+                st.f["AT_PART_O"] = self._alloc(sc["part_o"] * 4)
+                st.f["AT_PART_ML"] = self._alloc(sc["part_ml"] * 4)
+                t = self._alloc(sc["ticket"] * 4)
+                check(drv.cuMemsetD32(t, 0, sc["ticket"]), "cuMemsetD32")
+                st.f["AT_TICKET"] = t
+            if st.type == "sample":
+                st.f["SM_ARGMAX"] = self.argmax_ptr
+                st.f["SM_NPART"] = self.argmax_tiles
+            smem = max(smem, st.smem)
+            rows.append(self._pack(st))
+        self.stages = stages
+        self.desc = np.stack(rows)
+        self.d_desc = self._upload(self.desc)
+        self.nst = len(stages)
+        self.d_counters = self._alloc(self.nst * 4)
+        self.smem = (smem + 127) // 128 * 128
+        # compile (cached on disk) and load
+        cubin, log = compile_cubin(source(S.header()))
+        self.ptxas = ptxas_report(log)
+        self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.fn = check(drv.cuModuleGetFunction(self.module, b"kog_decode"), "cuModuleGetFunction")
+        check(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem),
+              "cuFuncSetAttribute(shared memory)")
+        occ = check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, S.NT, self.smem), "occupancy")
+        if occ < 1:
+            raise KogError(f"the nvidia_hopper kernel does not fit on an SM ({self.smem} bytes shared memory)")
+        # run parameters, prompt, stop ids, sampling scratch, host-mapped outputs
+        self.d_run = self._alloc(S.NRUN * 8)
+        self.d_prompt = self._alloc(self.T * 4)
+        self.d_stops = self._alloc(256 * 4)
+        self.d_scratch = self._alloc(program.vocab_size * 8)
+        self.h_out, self.d_out = self._host_mapped(self.T * 4 + 64)
+        self.h_cnt, self.d_cnt = self._host_mapped(64)
+        self.h_cancel, self.d_cancel = self._host_mapped(64)
+        self.out_view = np.ctypeslib.as_array((ctypes.c_int32 * self.T).from_address(self.h_out))
+        self.cnt_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cnt))
+        self.cancel_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cancel))
+        self.pos = 0
+
+    def _pack(self, st: S.Stage) -> np.ndarray:
+        row = np.zeros(S.NSLOT, np.int64)
+        row[0] = S.CONSTS[{"matvec": "ST_MATVEC", "attn": "ST_ATTN", "ew": "ST_EW", "sample": "ST_SAMPLE"}[st.type]]
+
+        def val(v):
+            if isinstance(v, tuple) and v[0] == "f":
+                return _f32bits(v[1])
+            if isinstance(v, str):
+                if v.startswith("@"):
+                    if v[1:] not in self.ptr:
+                        raise KogError(f"nvidia_hopper: tensor {v[1:]} has no device buffer")
+                    return self.ptr[v[1:]]
+                if v.startswith("cos:") or v.startswith("sin:"):
+                    return self.ptr[v]
+                return S.CONSTS[v]
+            return int(v)
+
+        for k, v in st.f.items():
+            if k.startswith("_"):
+                continue
+            row[S.SLOTS[k]] = val(v)
+        for si, sg in enumerate(st.segs):
+            base = S.SLOTS["MV_SEG0"] + si * S.SEG_STRIDE
+            for k, v in sg.items():
+                if k.startswith("SEG_"):
+                    row[base + S.SLOTS[k]] = val(v)
+        return row
+
+    # ------------------------------------------------------------------ launching
+    def _launch(self, prompt: Sequence[int], start_pos: int, max_new: int, params: SamplingParams,
+                stop_ids=(), logits_out: int = 0):
+        drv = self.drv
+        P = len(prompt)
+        pr = np.asarray(prompt, dtype=np.int32)
+        check(drv.cuMemcpyHtoD(self.d_prompt, pr.ctypes.data, pr.nbytes), "cuMemcpyHtoD(prompt)")
+        stops = np.asarray(sorted(stop_ids)[:256], dtype=np.int32)
+        if stops.size:
+            check(drv.cuMemcpyHtoD(self.d_stops, stops.ctypes.data, stops.nbytes), "cuMemcpyHtoD(stops)")
+        run = np.zeros(S.NRUN, np.int64)
+        R = S.RUN
+        run[R["R_PROMPT"]] = self.d_prompt
+        run[R["R_PROMPT_LEN"]] = P
+        run[R["R_START_POS"]] = start_pos
+        run[R["R_MAXNEW"]] = max_new
+        run[R["R_STOPIDS"]] = self.d_stops
+        run[R["R_NSTOP"]] = stops.size
+        run[R["R_TEMP"]] = _f32bits(params.temperature)
+        run[R["R_TOPK"]] = int(params.top_k or 0)
+        run[R["R_TOPP"]] = _f32bits(params.top_p)
+        run[R["R_SEED"]] = np.uint64(int(params.seed) & ((1 << 64) - 1)).view(np.int64)
+        run[R["R_LOGITS_ALL"]] = logits_out
+        run[R["R_LOGITS_MODE"]] = 1 if logits_out else 0
+        run[R["R_HOST_OUT"]] = self.d_out
+        run[R["R_HOST_COUNT"]] = self.d_cnt
+        run[R["R_CANCEL"]] = self.d_cancel
+        run[R["R_CTX"]] = self.T
+        run[R["R_SCRATCH"]] = self.d_scratch
+        check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
+        check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
+        self.cnt_view[0] = 0
+        self.cancel_view[0] = 0
+        args = ((self.d_desc, self.nst, self.d_counters, self.d_run),
+                (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p))
+        check(drv.cuLaunchCooperativeKernel(self.fn, self.nb, 1, 1, S.NT, 1, 1, self.smem, self.stream, args),
+              "cuLaunchCooperativeKernel")
+
+    def _sync(self):
+        check(self.drv.cuStreamSynchronize(self.stream), "the nvidia_hopper kernel")
+
+    # ------------------------------------------------------------------ KernelBackend
+    def reset(self) -> None:
+        self.pos = 0
+
+    def _logits_run(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        V = self.program.vocab_size
+        n = len(tokens)
+        if start_pos + n > self.T:
+            raise ContextLengthExceeded(f"{start_pos + n} positions exceed the context of {self.T}")
+        buf = self._alloc(n * V * 4)
+        try:
+            self._launch(tokens, start_pos, 1, SamplingParams(), logits_out=buf)
+            self._sync()
+            out = np.empty((n, V), np.float32)
+            check(self.drv.cuMemcpyDtoH(out.ctypes.data, buf, out.nbytes), "cuMemcpyDtoH(logits)")
+        finally:
+            self.allocs.remove(buf)
+            self.drv.cuMemFree(buf)
+        return out
+
+    def step(self, token: int, pos: int) -> np.ndarray:
+        if not 0 <= pos < self.T:
+            raise IndexError(f"position {pos} outside the context of {self.T}")
+        out = self._logits_run([int(token)], pos)[0]
+        self.pos = pos + 1
+        return out
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        self.reset()
+        return self._logits_run([int(t) for t in token_ids], 0)
+
+    def generate(self, prompt_ids: Sequence[int], sampler, params: SamplingParams, stop: StopCriteria,
+                 cancel: CancelToken | None = None) -> Iterator[int]:
+        self.reset()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise KogError("generate needs at least one prompt token")
+        if len(prompt) > self.T:
+            raise ContextLengthExceeded(f"prompt of {len(prompt)} tokens exceeds the context of {self.T}")
+        if stop.max_tokens <= 0 or (cancel is not None and cancel.cancelled):
+            return
+        self._launch(prompt, 0, int(stop.max_tokens), params, stop.stop_token_ids)
+        seen = 0
+        done = False
+        try:
+            while True:
+                n = int(self.cnt_view[0])
+                while seen < n:
+                    yield int(self.out_view[seen])
+                    seen += 1
+                if done:
+                    break
+                if cancel is not None and cancel.cancelled:
+                    self.cancel_view[0] = 1
+                r = self.drv.cuStreamQuery(self.stream)[0]
+                if r == self.drv.CUresult.CUDA_SUCCESS:
+                    done = True  # one more pass drains what the kernel wrote last
+                    continue
+                if r != self.drv.CUresult.CUDA_ERROR_NOT_READY:
+                    check(r, "the nvidia_hopper kernel")
+                time.sleep(20e-6)
+        finally:
+            if not done:
+                self.cancel_view[0] = 1
+            self._sync()
+
+    def generate_timed(self, prompt_ids, params: SamplingParams, stop: StopCriteria):
+        """(tokens, ttft_s, total_s) of one whole request, for the benchmark."""
+        t0 = time.perf_counter()
+        toks, ttft = [], None
+        for t in self.generate(prompt_ids, None, params, stop):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            toks.append(t)
+        return toks, ttft, time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ facts
+    def copy_bandwidth(self, nbytes: int = 2 << 30, reps: int = 10) -> float:
+        if self._copy_bw is None:
+            drv = self.drv
+            a, b = self._alloc(nbytes), self._alloc(nbytes)
+            check(drv.cuMemsetD32(a, 1, nbytes // 4), "memset")
+            e0 = check(drv.cuEventCreate(0)); e1 = check(drv.cuEventCreate(0))
+            check(drv.cuMemcpyDtoDAsync(b, a, nbytes, self.stream))
+            times = []
+            for _ in range(reps):
+                check(drv.cuEventRecord(e0, self.stream))
+                check(drv.cuMemcpyDtoDAsync(b, a, nbytes, self.stream))
+                check(drv.cuEventRecord(e1, self.stream))
+                check(drv.cuEventSynchronize(e1))
+                times.append(check(drv.cuEventElapsedTime(e0, e1)) / 1e3)
+            for p in (a, b):
+                self.allocs.remove(p)
+                drv.cuMemFree(p)
+            self._copy_bw = 2 * nbytes / float(np.median(times)) / 1e12
+        return self._copy_bw
+
+    def describe(self) -> dict:
+        drv = self.drv
+        name = check(drv.cuDeviceGetName(128, self.dev)).split(b"\0")[0].decode()
+        d = {"backend": self.name, "device": name, "sm_count": self.sms, "blocks": self.nb,
+             "copy_bandwidth_TBps": round(self.copy_bandwidth(), 3)}
+        if self.program is not None:
+            d.update(stages=self.nst, shared_memory=self.smem, **{f"ptxas_{k}": v for k, v in self.ptxas.items()})
+        return d
+
+    def stage_summary(self) -> list[str]:
+        out = []
+        for st in self.stages:
+            if st.type == "matvec":
+                out.append(f"matvec[{st.label}] tiles={st.f['MV_NTILES']} S={st.f['MV_S']} K={st.f['MV_K']} flags={st.f['MV_FLAGS']}")
+            else:
+                out.append(f"{st.type}[{st.label}]")
+        return out
+
+    def close(self) -> None:
+        for p in self.allocs:
+            self.drv.cuMemFree(p)
+        self.allocs = []
