@@ -114,7 +114,7 @@ class DecodeProgram:
         self.tensors[name] = TensorSpec(name, shape, dtype, kind)
         return name
 
-    def add_op(self, kind: str, inputs: Iterable[str], outputs: Iterable[str], layer: int | None = None, **attrs) -> Op:
+    def add_op(self, kind: str, inputs: Iterable[str], outputs: Iterable[str], /, layer: int | None = None, **attrs) -> Op:
         if kind not in OP_KINDS:
             raise ValueError(f"unknown op kind {kind!r}")
         op = Op(kind, tuple(inputs), tuple(outputs), dict(attrs), layer)

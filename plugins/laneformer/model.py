@@ -91,8 +91,7 @@ class Laneformer(ModelArchitecture):
 
         def send(t, layer=None):
             """Make every lane of t visible to every rank (a no-op on one rank)."""
-            op = p.add_op("collective", [t], [t], layer)
-            op.attrs["kind"] = "all_gather"  # add_op's own `kind` parameter shadows this attr name
+            p.add_op("collective", [t], [t], layer, kind="all_gather")
 
         def residual(x, kind, i):
             """x_l += the lane reduction of this block's partials (fresh of layer i, delayed of i - d)."""

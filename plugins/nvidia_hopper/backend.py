@@ -193,7 +193,7 @@ class HopperBackend(KernelBackend):
 
     # ------------------------------------------------------------------ launching
     def _launch(self, prompt: Sequence[int], start_pos: int, max_new: int, params: SamplingParams,
-                stop_ids=(), logits_out: int = 0):
+                stop_ids=(), logits_out: int = 0, skip: int = 0):
         drv = self.drv
         P = len(prompt)
         pr = np.asarray(prompt, dtype=np.int32)
@@ -220,6 +220,7 @@ class HopperBackend(KernelBackend):
         run[R["R_CANCEL"]] = self.d_cancel
         run[R["R_CTX"]] = self.T
         run[R["R_SCRATCH"]] = self.d_scratch
+        run[R["R_SKIP"]] = skip
         check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
         check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
         self.cnt_view[0] = 0
@@ -307,6 +308,28 @@ class HopperBackend(KernelBackend):
                 ttft = time.perf_counter() - t0
             toks.append(t)
         return toks, ttft, time.perf_counter() - t0
+
+    def _time_request(self, prompt, n_tokens, skip=0) -> float:
+        drv = self.drv
+        e0 = check(drv.cuEventCreate(0)); e1 = check(drv.cuEventCreate(0))
+        check(drv.cuEventRecord(e0, self.stream))
+        self._launch(prompt, 0, n_tokens, SamplingParams(), skip=skip)
+        check(drv.cuEventRecord(e1, self.stream))
+        check(drv.cuEventSynchronize(e1))
+        return check(drv.cuEventElapsedTime(e0, e1)) / 1e3
+
+    def bench_breakdown(self, prompt_ids, n_tokens) -> dict:
+        """Per-token time (us) of variants that leave stage kinds out (outputs are garbage then).
+        The differences say where the time goes; 'sync only' is the skeleton of waits/signals."""
+        prompt = [int(t) for t in prompt_ids]
+        steps = len(prompt) + n_tokens - 1
+        variants = {"full": 0, "no attention": 1 << 2, "no LM head": 1 << 5, "no layer matvecs": 1 << 1,
+                    "no elementwise": 1 << 3, "sync only (no matvec/attention/LM head)": (1 << 1) | (1 << 2) | (1 << 3) | (1 << 5)}
+        out = {}
+        for name, mask in variants.items():
+            ts = [self._time_request(prompt, n_tokens, mask) for _ in range(3)]
+            out[name + " us/token"] = round(float(np.median(ts)) / steps * 1e6, 2)
+        return out
 
     # ------------------------------------------------------------------ facts
     def copy_bandwidth(self, nbytes: int = 2 << 30, reps: int = 10) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from kog_core.hookspecs import hookimpl
+from kog_core import hookimpl
 from kog_core.interfaces import BackendCapabilities, BackendSpec
 
 OPS = frozenset({"embed", "rmsnorm", "matvec", "rope", "kv_append", "attention", "swiglu", "add", "copy",

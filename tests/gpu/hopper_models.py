@@ -1,0 +1,39 @@
+"""Small random checkpoints and helpers shared by the nvidia_hopper GPU tests."""
+from __future__ import annotations
+
+import numpy as np
+
+from kog_moe_standard_tp.llama import Llama
+
+SMALL = {
+    # GQA 4/2, untied head, head_dim 64: exercises fused q/k/v, rope+append+attention, gate/up+swiglu
+    "llama": dict(model_type="llama", hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1000,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                  tie_word_embeddings=False),
+    # tied embeddings, q/k/v bias
+    "qwen2": dict(model_type="qwen2", hidden_size=192, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=32, intermediate_size=384, vocab_size=777,
+                  rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=True),
+    # per-head q/k norm (grouped rmsnorm), 8 query heads per kv head
+    "qwen3": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=1, head_dim=64, intermediate_size=512, vocab_size=1500,
+                  rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=False),
+    # sliding window of 48 positions
+    "mistral": dict(model_type="mistral", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, head_dim=64, intermediate_size=512, vocab_size=900,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                    sliding_window=48, tie_word_embeddings=False),
+}
+
+
+def bf16_round(w: dict) -> dict:
+    import ml_dtypes
+    return {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in w.items()}
+
+
+def model(name: str, seed: int = 0, context: int = 512):
+    arch = Llama(SMALL[name])
+    prog = arch.lower(context_length=context, kv_dtype="bf16")
+    weights = bf16_round(arch.random_weights(seed))
+    return arch, prog, weights
