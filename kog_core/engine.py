@@ -82,7 +82,7 @@ class Engine:
         if not cfg.model.name:
             raise KogError("no model given; pass --model NAME (see `kog models`) or set [model] name in the config")
         backend_name = cfg.backend.name or reg.default_backend()
-        spec = reg.backend_spec(backend_name)  # unknown name -> one-line error before anything loads
+        spec = reg.usable_backend_spec(backend_name)  # unknown or unusable here: one line, before anything loads
         preset = reg.presets.get(cfg.model.name)
         tokenizer, model_path = None, None
         if cfg.model.random_weights:

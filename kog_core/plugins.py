@@ -65,12 +65,16 @@ class Registry:
                               f"(install the plugin that provides it, or see `kog plugins`)")
         return self.backends[name]
 
-    def create_backend(self, name: str, **options) -> KernelBackend:
+    def usable_backend_spec(self, name: str) -> BackendSpec:
+        """The spec of a backend that can run on this machine (its probe passes)."""
         spec = self.backend_spec(name)
-        if spec.probe is not None:
-            reason = spec.probe()
-            if reason:
-                raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}; use --backend reference for the CPU")
+        reason = spec.probe() if spec.probe is not None else None
+        if reason:
+            raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}; use --backend reference for the CPU")
+        return spec
+
+    def create_backend(self, name: str, **options) -> KernelBackend:
+        spec = self.usable_backend_spec(name)
         try:
             cls = resolve_factory(spec.factory)
         except ImportError as e:

@@ -224,7 +224,7 @@ def _start_long_stream(server, max_tokens=400):
     """A streaming request that runs for a long time; returns (client, response) once it is decoding."""
     c = httpx.Client(base_url=server["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     req = c.build_request("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": max_tokens,
-                                                           "temperature": 0, "stream": True})
+                                                           "temperature": 0, "stream": True, "ignore_eos": True})
     resp = c.send(req, stream=True)
     assert resp.status_code == 200
     lines = resp.iter_lines()
@@ -234,7 +234,7 @@ def _start_long_stream(server, max_tokens=400):
             got += 1
             if got == 2:
                 break
-    return c, resp
+    return c, resp, lines
 
 
 def test_queue_overflow_gets_429(server, http):
@@ -242,7 +242,7 @@ def test_queue_overflow_gets_429(server, http):
     sched = server["app"].state.scheduler
     old = sched.queue_size
     sched.queue_size = 1
-    c, resp = _start_long_stream(server)
+    c, resp, lines = _start_long_stream(server)
     try:
         waiting = threading.Thread(target=lambda: http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}))
         waiting.start()
@@ -250,6 +250,7 @@ def test_queue_overflow_gets_429(server, http):
             if http.get("/health").json()["waiting"] == 1:
                 break
             time.sleep(0.02)
+        assert http.get("/health").json() == {"status": "ok", "model": "smol", "running": 1, "waiting": 1}
         r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 429
         assert int(r.headers["Retry-After"]) >= 1
@@ -274,7 +275,7 @@ def test_disconnect_cancels_generation(server, http, client, expected):
     short = time.perf_counter() - t0
     cancelled_before = _metric(http, 'kog_request_finished_total{model="smol",finish_reason="cancelled"}')
 
-    c, resp = _start_long_stream(server, max_tokens=400)   # ~400 tokens: tens of seconds if not cancelled
+    c, resp, lines = _start_long_stream(server, max_tokens=400)   # ~400 tokens: tens of seconds if not cancelled
     t_close = time.perf_counter()
     resp.close()
     c.close()
@@ -289,7 +290,8 @@ def test_disconnect_cancels_generation(server, http, client, expected):
     # a non-streaming client that gives up is cancelled too (the server polls for the disconnect)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0,
-                   json={"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0})
+                   json={"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                         "ignore_eos": True})
     t0 = time.perf_counter()
     _wait_idle(http, timeout=10)
     assert time.perf_counter() - t0 < 5

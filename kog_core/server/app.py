@@ -248,7 +248,8 @@ def create_app(engine, server_config=None):
         if top_p == 0.0:       # OpenAI accepts top_p=0: the single most likely token, i.e. greedy
             temperature, top_p = 0.0, None
         return dict(max_tokens=limit if limit is not None else ctx - n_prompt,  # engine clamps to the context
-                    temperature=temperature, top_p=top_p, top_k=req.top_k, seed=req.seed, stop=req.stop)
+                    temperature=temperature, top_p=top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
+                    ignore_eos=req.ignore_eos)
 
     def submit(endpoint: str, prefix: str, ids: list[int], params: dict) -> Job:
         job = Job(id=f"{prefix}-{uuid.uuid4().hex[:24]}", endpoint=endpoint, prompt_ids=ids, params=params,

@@ -41,6 +41,7 @@ class _SamplingRequest(_Lenient):
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0)              # extension (vLLM / llama.cpp); 0 = off
+    ignore_eos: bool = False                              # extension (vLLM): run to max_tokens
     seed: Optional[int] = Field(None, ge=0, lt=2**64)
     stop: Optional[Union[str, list[str]]] = None
     n: Optional[int] = Field(1, ge=1, le=128)

@@ -58,8 +58,9 @@ class HopperBackend(KernelBackend):
     # ------------------------------------------------------------------ memory helpers
     def _alloc(self, nbytes: int):
         p = check(self.drv.cuMemAlloc(max(int(nbytes), 256)), f"cuMemAlloc({nbytes} bytes)")
+        p = int(p)
         self.allocs.append(p)
-        return int(p)
+        return p
 
     def _upload(self, arr: np.ndarray) -> int:
         arr = np.ascontiguousarray(arr)
