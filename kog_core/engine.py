@@ -186,37 +186,31 @@ class Engine:
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer is not None else None
         out: list[int] = []
         t_first = None
-        finish = "length"
+        finish = "length"          # max tokens, or the context is full
+        hit_stop_string = False
         cancel = cancel or CancelToken()
         gen = self.backend.generate(ids, self.sampler, params, criteria, cancel)
         try:
             for tok in gen:
-                now = time.perf_counter()
-                t_first = t_first or now
+                t_first = t_first or time.perf_counter()
                 out.append(tok)
                 if tok in stops:
                     finish = "stop"
                     break
-                piece = decoder.push(tok) if decoder is not None else ""
-                emit, hit = matcher.push(piece)
-                if hit:
-                    finish = "stop"
-                    cancel.cancel()
-                    if emit:
-                        yield StreamChunk(emit, [tok])
-                    break
+                emit, hit_stop_string = matcher.push(decoder.push(tok) if decoder is not None else "")
                 if emit or decoder is None:
                     yield StreamChunk(emit, [tok])
-            else:
-                if cancel.cancelled:
-                    finish = "cancelled"
-                elif len(out) < budget and out and out[-1] not in stops:
-                    finish = "length"  # context full
+                if hit_stop_string:
+                    finish = "stop"
+                    break
         finally:
-            gen.close()
-        if finish == "length" and decoder is not None:
-            tail, _ = matcher.push(decoder.flush())
-            tail += matcher.flush()
+            gen.close()  # a monokernel backend stops its kernel here
+        if cancel.cancelled and finish == "length" and len(out) < budget:
+            finish = "cancelled"
+        if decoder is not None and not hit_stop_string:
+            tail, hit_stop_string = matcher.push(decoder.flush())  # text held back for UTF-8 or a stop-string prefix
+            tail += "" if hit_stop_string else matcher.flush()
+            finish = "stop" if hit_stop_string else finish
             if tail:
                 yield StreamChunk(tail, [])
         t_end = time.perf_counter()

@@ -129,6 +129,8 @@ class KernelBackend(ABC):
         self.reset()
         logits = None
         for i, t in enumerate(prompt_ids):
+            if cancel is not None and cancel.cancelled:
+                return
             logits = self.step(int(t), i)
         pos = len(prompt_ids)
         for n in range(stop.max_tokens):

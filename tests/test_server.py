@@ -283,7 +283,7 @@ def test_disconnect_cancels_generation(server, http, client, expected):
     client.completions.create(model="smol", prompt="Hello", max_tokens=4, temperature=0)
     after = time.perf_counter() - t0
     # the next request starts at once: it waits at most a token or two for the cancelled one
-    assert after < short + 2.0, (after, short)
+    assert after < short + 3.0, (after, short)
     assert _metric(http, 'kog_request_finished_total{model="smol",finish_reason="cancelled"}') == cancelled_before + 1
     assert time.perf_counter() - t_close < 30
 

@@ -51,10 +51,13 @@ def _error_body(status: int, message: str, type: str, code: str | None = None, p
     return json.dumps({"error": {"message": message, "type": type, "param": param, "code": code}}).encode()
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}  # pydantic's union-member loc parts
+
+
 def _validation_error(e: ValidationError) -> APIError:
     problems, first_param = [], None
     for err in e.errors():
-        loc = [str(p) for p in err.get("loc", ()) if not str(p).startswith(("function-", "list[", "str", "int"))]
+        loc = [str(p) for p in err.get("loc", ()) if str(p) not in _UNION_TAGS and "[" not in str(p)]
         param = ".".join(loc) if loc else None
         first_param = first_param or (loc[0] if loc else None)
         msg = err.get("msg", "invalid value")
@@ -67,6 +70,8 @@ def _validation_error(e: ValidationError) -> APIError:
 
 
 # ----------------------------------------------------------------------------- ASGI guard
+
+_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
 
 class Guard:
     """Pure ASGI middleware, outermost: API key (every route but /health) and request body size.
@@ -87,12 +92,13 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
+        label = path if path in _ROUTES else "other"   # bounded metric label values
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_key and path != "/health":
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                self.metrics.count_request(path, 401)
+                self.metrics.count_request(label, 401)
                 msg = ("Incorrect API key provided." if auth else
                        "Missing API key: send the header 'Authorization: Bearer <key>'.")
                 return await self._reply(send, 401, _error_body(401, msg, "invalid_request_error", "invalid_api_key"),
@@ -103,7 +109,7 @@ class Guard:
                               "request_too_large")
         try:
             if int(headers.get("content-length", "0")) > self.max_body:
-                self.metrics.count_request(path, 413)
+                self.metrics.count_request(label, 413)
                 return await self._reply(send, 413, too_big, [(b"connection", b"close")])
         except ValueError:
             return await self._reply(send, 400, _error_body(400, "invalid Content-Length", "invalid_request_error"))
@@ -115,7 +121,7 @@ class Guard:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_body:
-                self.metrics.count_request(path, 413)
+                self.metrics.count_request(label, 413)
                 return await self._reply(send, 413, too_big, [(b"connection", b"close")])
             chunks.append(body)
             if not message.get("more_body", False):

@@ -47,12 +47,8 @@ __device__ __forceinline__ float ldf(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
     return r;
 }
-__device__ __forceinline__ uint4 ldcg4(const void* p) {
-    uint4 r;
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
+__device__ __forceinline__ uint4 ldcg4(const void* p) { return __ldcg((const uint4*)p); }
+__device__ __forceinline__ float4 ldcgf4(const float* p) { return __ldcg((const float4*)p); }
 __device__ __forceinline__ i64 ldi64(const i64* p) {
     i64 r;
     asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(r) : "l"(p));
@@ -227,8 +223,23 @@ __device__ void mv_load_input(const Ctx& c, int lane) {
         const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
         for (int i = threadIdx.x; i < K; i += NT) { float v = bf2f(tab[i]); x[i] = v; ss = fmaf(v, v, ss); }
     } else {
+        // K % 8 == 0: float4 loads, up to 8 in flight per thread
         const float* in = (const float*)st[MV_IN] + (i64)lane * K;
-        for (int i = threadIdx.x; i < K; i += NT) { float v = ldf(in + i); x[i] = v; ss = fmaf(v, v, ss); }
+        const int K4 = K >> 2;
+        for (int i0 = threadIdx.x; i0 < K4; i0 += NT * 8) {
+            float4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) { int i = i0 + u * NT; if (i < K4) v[u] = ldcgf4(in + 4 * i); }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                int i = i0 + u * NT;
+                if (i < K4) {
+                    *(float4*)(x + 4 * i) = v[u];
+                    ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
+                    ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
+                }
+            }
+        }
     }
     if (mode & IN_NORM) {
         float tot = block_sum(ss, c.red);  // includes __syncthreads
@@ -450,10 +461,15 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             {
                 // position pos was written to the cache above by this very block (ordered by the barrier)
                 const uint4* kr = (const uint4*)(kc + (i64)p * hd);
-                for (int d8 = 0; d8 < nd8; ++d8) {
-                    uint4 w = ldcg4(kr + d8);
+                for (int d0 = 0; d0 < nd8; d0 += 8) {
+                    uint4 w[8];
 #pragma unroll
-                    for (int gi = 0; gi < 8; ++gi) if (gi < G) acc[gi] = dot8(w, q + gi * hd + d8 * 8, acc[gi]);
+                    for (int u = 0; u < 8; ++u) if (d0 + u < nd8) w[u] = ldcg4(kr + d0 + u);
+#pragma unroll
+                    for (int u = 0; u < 8; ++u)
+                        if (d0 + u < nd8)
+#pragma unroll
+                            for (int gi = 0; gi < 8; ++gi) if (gi < G) acc[gi] = dot8(w[u], q + gi * hd + (d0 + u) * 8, acc[gi]);
                 }
             }
 #pragma unroll
@@ -664,7 +680,7 @@ __device__ __forceinline__ u32 fkey(float f) {
 __device__ u64 sample_search(const float* z, const float* p, int V, int kind, u32 k, float target,
                              u64 cmin, u64 lo, u64 hi, float* red) {
     while (lo < hi) {
-        u64 mid = lo + (hi - lo + 1) / 2;
+        u64 mid = lo + ((hi - lo) >> 1) + 1;  // hi > lo: no overflow
         bool ok;
         if (kind == 0) {
             u32 cntv = 0;
@@ -826,7 +842,8 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             const int type = (int)st[S_TYPE];
             if (type == ST_MATVEC && threadIdx.x == 0) {
                 bool skip = ((int)st[MV_FLAGS] & MVF_SKIP_PROMPT) && !c.logits_mode && it < c.P - 1;
-                if (!skip) mv_prefetch(st, blockIdx.x);
+                int kind0 = ((int)st[MV_FLAGS] & MVF_LOGITS) ? 5 : 1;
+                if (!skip && !((skipmask >> kind0) & 1)) mv_prefetch(st, blockIdx.x);
             }
             if (s > 0) wait_counter(counters + s - 1, nb * (u32)(it + 1));
             else if (it > 0) wait_counter(counters + nst - 1, nb * (u32)it);
