@@ -113,7 +113,8 @@ class Engine:
         if problems:
             raise CapabilityError(f"backend {backend_name!r} cannot run {cfg.model.name}: {'; '.join(problems)}")
         if cfg.model.random_weights:
-            weights = arch.random_weights(seed=cfg.model.seed, dtype=_np_dtype(cfg.model.weight_dtype))
+            from .random_weights import random_weights
+            weights = random_weights(arch, seed=cfg.model.seed, dtype=_np_dtype(cfg.model.weight_dtype))
         else:
             from .checkpoint import validate_tensors
             validate_tensors(ckpt.tensors, arch.expected_tensors(), source=str(model_path))

@@ -50,6 +50,9 @@ class HopperBackend(KernelBackend):
         check(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         self.sms = check(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.dev))
         self.nb = int(options.get("blocks", self.sms))
+        # dynamic shared memory a block may opt into (227 KB on Hopper): sizes the weight ring
+        self.max_smem = check(drv.cuDeviceGetAttribute(
+            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self.dev))
         self.stream = check(drv.cuStreamCreate(1), "cuStreamCreate")  # non-blocking
         self.allocs: list = []
         self._copy_bw = None
@@ -119,10 +122,11 @@ class HopperBackend(KernelBackend):
             return self.argmax_ptr
 
         rows = []
-        smem = 4096
+        smem = max([4096] + [st.smem for st in stages])
+        self.ring = S.ring_plan(smem, self.max_smem)  # {} when the weight ring does not fit
         for st in stages:
             if st.type == "matvec":
-                S.finalize_matvec(st, self.nb, program.logits, argmax_alloc)
+                S.finalize_matvec(st, self.nb, program.logits, argmax_alloc, slot_bytes=self.ring.get("SLOT_BYTES"))
             if st.type == "attn":
                 sc = st.f.pop("_scratch")
                 st.f["AT_PART_O"] = self._alloc(sc["part_o"] * 4)
@@ -141,8 +145,10 @@ class HopperBackend(KernelBackend):
         self.nst = len(stages)
         self.d_counters = self._alloc(self.nst * 4)
         self.smem = (smem + 127) // 128 * 128
+        if self.ring:
+            self.smem = self.ring["RING_OFF"] + self.ring["RING_SLOTS"] * self.ring["SLOT_BYTES"]
         # compile (cached on disk) and load
-        cubin, log = compile_cubin(source(S.header()))
+        cubin, log = compile_cubin(source(S.header(self.ring or {"RING": 0})))
         self.ptxas = ptxas_report(log)
         self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.fn = check(drv.cuModuleGetFunction(self.module, b"kog_decode"), "cuModuleGetFunction")

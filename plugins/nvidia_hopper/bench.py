@@ -102,10 +102,12 @@ def main():
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--peer", default=None, help="path of torch_peer.py: run it for the same presets")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-breakdown", action="store_true")
     a = ap.parse_args()
     results = []
     for p in a.preset or ["bench-2b"]:
-        r = run(p, a.tokens, a.context)
+        r = run(p, a.tokens, a.context, breakdown=not a.no_breakdown)
+        r['variant'] = {k: os.environ.get('KOG_HOPPER_' + k) for k in ('UNROLL', 'PRELOAD')}
         print(json.dumps(r), flush=True)
         if a.peer:
             peer_name = {"laneformer-2b": "laneformer-2b-dense"}.get(p, p)

@@ -63,8 +63,15 @@ SUPPORTED_OPS = frozenset({"embed", "rmsnorm", "matvec", "rope", "kv_append", "a
                            "sample"})
 
 
-def header() -> str:
+def header(variant: dict | None = None) -> str:
+    """The #defines shared with decode.cu; `variant` overrides tuning macros (UNROLL, PRELOAD)."""
+    import os
+    variant = dict(variant or {})
+    for k in ("UNROLL", "PRELOAD", "RING"):
+        if os.environ.get("KOG_HOPPER_" + k):
+            variant.setdefault(k, int(os.environ["KOG_HOPPER_" + k]))
     lines = [f"#define {k} {v}" for d in (SLOTS, CONSTS, RUN) for k, v in d.items()]
+    lines += [f"#define {k} {v}" for k, v in variant.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -275,9 +282,10 @@ def _seg(P, op, L, w2=None, out=None):
     d = dict(SEG_W="@" + op.inputs[1], SEG_WL=wl, SEG_N=N, SEG_OUT="@" + o, SEG_OUTL=ol,
              SEG_BIAS=("@" + bias) if bias else 0, SEG_BIASL=(N if bias and len(P.tensors[bias].shape) == 2 else 0),
              SEG_RES=("@" + res) if res else 0, SEG_RESL=(P.tensors[res].shape[-1] if res else 0),
-             SEG_W2=("@" + w2) if w2 else 0, lanes=(L if (wl or L > 1) else 1), out_name=o)
-    if len(W.shape) == 2 and L > 1:
-        d["lanes"] = L
+             SEG_W2=("@" + w2) if w2 else 0, out_name=o)
+    # lanes this segment computes: one slice per lane for 3-D weights, else the input's lanes
+    xs = P.tensors[op.inputs[0]].shape
+    d["lanes"] = W.shape[0] if len(W.shape) == 3 else (xs[0] if len(xs) == 2 else 1)
     return d
 
 
@@ -329,6 +337,8 @@ def _attn_stage(P, ops, idxs, nb):
              AT_KNEW=0, AT_VNEW=0, AT_TARGET=nb)
     maxch = max(-(-Tctx // 512), max(1, nb // (L * Hkv)))
     f["AT_MAXCH"] = maxch
+    if maxch * G * 2 > 8 * 512:
+        raise CapabilityError(f"nvidia_hopper attention: context {Tctx} with {G} query heads per kv head is too long for one chunk table")
     scratch = dict(part_o=L * H * maxch * hd, part_ml=L * H * maxch * 2, ticket=L * Hkv)
     if len(idxs) > 1:
         KV = ops[idxs[-2]]
@@ -418,9 +428,40 @@ def _finish(P, stages):
     return stages
 
 
-def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc):
+SLOT_BYTES = 32768      # one weight tile of the ring: 64 * K / S bytes must fit
+MAX_RING_SLOTS = 6
+STATIC_SMEM = 8192      # the kernel's static shared memory (reductions, mbarriers: 4.4 KB), rounded up
+
+
+def ring_plan(stage_smem: int, max_smem: int) -> dict:
+    """Where the weight ring goes in dynamic shared memory and how many slots fit; {} when it is
+    off. Off by default: measured slower than the register path on 2026-12-02 (perf notes v4);
+    KOG_HOPPER_RING=1 turns it on, KOG_HOPPER_SLOT_KB sets the slot size."""
+    import os
+    if os.environ.get("KOG_HOPPER_RING", "0") != "1":
+        return {}
+    slot = int(os.environ.get("KOG_HOPPER_SLOT_KB", SLOT_BYTES // 1024)) * 1024
+    off = (stage_smem + 127) // 128 * 128
+    slots = min(MAX_RING_SLOTS, (max_smem - STATIC_SMEM - off) // slot)
+    if slots < 2:
+        return {}
+    return dict(RING=1, RING_SLOTS=slots, SLOT_BYTES=slot, RING_OFF=off)
+
+
+def ring_split(K: int, slot_bytes: int) -> int:
+    """The K-split S whose tile (2 * NW / S rows of K bf16: 64 * K / S bytes) fits one slot."""
+    for S in (1, 2, 4, 8, 16):
+        if 64 * K // S <= slot_bytes and (K // 8) >= S:
+            return S
+    raise CapabilityError(f"nvidia_hopper: rows of {K} values are too long for a {slot_bytes}-byte ring slot")
+
+
+def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, slot_bytes: int | None = None):
     K = st.f["MV_K"]
-    S = choose_split(K, [(s["SEG_N"], s["lanes"], bool(s["SEG_W2"])) for s in st.segs], nb)
+    if slot_bytes:
+        S = ring_split(K, slot_bytes)
+    else:
+        S = choose_split(K, [(s["SEG_N"], s["lanes"], bool(s["SEG_W2"])) for s in st.segs], nb)
     tiles = 0
     for s in st.segs:
         R = (NW // S) * (1 if s["SEG_W2"] else 2)

@@ -37,3 +37,26 @@ def model(name: str, seed: int = 0, context: int = 512):
     prog = arch.lower(context_length=context, kv_dtype="bf16")
     weights = bf16_round(arch.random_weights(seed))
     return arch, prog, weights
+
+
+LANEFORMER_SMALL = {
+    # 4 lanes, delayed-residual DTP, sliding-window layers, replicated and per-lane LM heads
+    "laneformer-replicate": dict(model_type="laneformer_tp", hidden_size=256, num_hidden_layers=3,
+                                 num_attention_heads=8, num_key_value_heads=4, intermediate_size=512,
+                                 vocab_size=700, max_position_embeddings=512, num_lanes=4, broadcast_delay=2,
+                                 lm_head_type="replicate", replicated_rmsn_scale=False, sliding_window=40, pre_norm_lane_agg=True,
+                                 sliding_window_n_layers=2, eos_token_id=2),
+    "laneformer-lane": dict(model_type="laneformer_tp", hidden_size=256, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=4, intermediate_size=512,
+                            vocab_size=700, max_position_embeddings=512, num_lanes=4, broadcast_delay=1,
+                            lm_head_type="lane", eos_token_id=2),
+}
+
+
+def laneformer_model(name: str, seed: int = 0, context: int = 512):
+    from kog_core.interfaces import resolve_factory
+    from kog_core.plugins import load_registry
+    spec = load_registry().architectures["laneformer"]
+    arch = resolve_factory(spec.factory)(LANEFORMER_SMALL[name])
+    prog = arch.lower(context_length=context, kv_dtype="bf16")
+    return arch, prog, bf16_round(arch.random_weights(seed))

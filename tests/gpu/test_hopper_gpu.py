@@ -148,3 +148,20 @@ def test_smollm2_greedy_128_equals_reference():
     assert got == want
     lg, lr = hb.logits(prompt + got[:20]), ref.logits(prompt + got[:20])
     assert max(_rel(lg[i], lr[i]) for i in range(len(lg))) < 2e-2
+
+
+@pytest.mark.parametrize("name", ["laneformer-replicate", "laneformer-lane"])
+def test_laneformer_logits_and_greedy(name):
+    pytest.importorskip("kog_laneformer")
+    from .hopper_models import laneformer_model
+    arch, prog, w = laneformer_model(name)
+    ref, hb = _backends(prog, w)
+    rng = np.random.default_rng(2)
+    toks = rng.integers(0, prog.vocab_size, 100).tolist()
+    got, want = hb.logits(toks), ref.logits(toks)
+    errs = [_rel(got[i], want[i]) for i in range(len(toks))]
+    assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
+    stop = StopCriteria(max_tokens=128)
+    prompt = [3, 17, 42, 5]
+    assert list(hb.generate(prompt, DefaultSampler(), SamplingParams(), stop)) == \
+        list(ref.generate(prompt, DefaultSampler(), SamplingParams(), stop))

@@ -20,7 +20,27 @@ typedef long long i64;
 
 #define NT 512
 #define NW (NT / 32)
-#define UNROLL 8
+#ifndef UNROLL
+#define UNROLL 4      // 16-byte weight loads in flight per thread and row (4 measured best, perf notes v3)
+#endif
+#ifndef PRELOAD
+#define PRELOAD 1     // request the first tile's weights before waiting on the producer
+#endif
+// RING (opt-in, see perf notes v4): matvec weights stream through a ring of shared-memory slots filled by the bulk copy
+// engine (cp.async.bulk, completing on an mbarrier), RING_SLOTS tiles ahead of the tile being
+// computed, across stage and token boundaries: weight streaming never waits on activations.
+#ifndef RING
+#define RING 0
+#endif
+#ifndef RING_SLOTS
+#define RING_SLOTS 4
+#endif
+#ifndef SLOT_BYTES
+#define SLOT_BYTES 32768
+#endif
+#ifndef RING_OFF
+#define RING_OFF 0    // byte offset of the ring in dynamic shared memory (after every stage's scratch)
+#endif
 
 // ------------------------------------------------------------------------------ helpers
 __device__ __forceinline__ float bf_lo(u32 u) { return __uint_as_float(u << 16); }
@@ -48,7 +68,11 @@ __device__ __forceinline__ float ldf(const float* p) {
     return r;
 }
 __device__ __forceinline__ uint4 ldcg4(const void* p) { return __ldcg((const uint4*)p); }
-__device__ __forceinline__ float4 ldcgf4(const float* p) { return __ldcg((const float4*)p); }
+__device__ __forceinline__ float4 ldcgf4(const float* p) {
+    float4 r;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
 __device__ __forceinline__ i64 ldi64(const i64* p) {
     i64 r;
     asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(r) : "l"(p));
@@ -168,11 +192,22 @@ struct Ctx {
     int it, pos, tok, P, logits_mode, nb;
     float* sm;          // dynamic shared memory
     float* red;         // small reduction scratch (NW + 1 floats)
+    // weight ring (RING): tiles consumed so far by this block, and thread 0's producer cursor
+    const i64* stages;
+    int nst, skipmask;
+    u32 q_cons, q_issued;
+    int p_it, p_s, p_t;
 };
 
 __device__ __forceinline__ float fslot(const i64* st, int i) { return __int_as_float((int)st[i]); }
 
 // ------------------------------------------------------------------------------ matvec
+__device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {
+    if (threadIdx.x == 0) {
+        while (ld_acquire(ctr) < target) { }
+    }
+    __syncthreads();
+}
 // Segment s of a matvec stage: MV_SEG0 + s * SEG_STRIDE + field
 __device__ __forceinline__ const i64* seg(const i64* st, int s) { return st + MV_SEG0 + s * SEG_STRIDE; }
 
@@ -223,22 +258,13 @@ __device__ void mv_load_input(const Ctx& c, int lane) {
         const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
         for (int i = threadIdx.x; i < K; i += NT) { float v = bf2f(tab[i]); x[i] = v; ss = fmaf(v, v, ss); }
     } else {
-        // K % 8 == 0: float4 loads, up to 8 in flight per thread
+        // K % 8 == 0: one float4 per thread per pass
         const float* in = (const float*)st[MV_IN] + (i64)lane * K;
         const int K4 = K >> 2;
-        for (int i0 = threadIdx.x; i0 < K4; i0 += NT * 8) {
-            float4 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) { int i = i0 + u * NT; if (i < K4) v[u] = ldcgf4(in + 4 * i); }
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                int i = i0 + u * NT;
-                if (i < K4) {
-                    *(float4*)(x + 4 * i) = v[u];
-                    ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
-                    ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
-                }
-            }
+        for (int i = threadIdx.x; i < K4; i += NT) {
+            float4 v = ldcgf4(in + 4 * i);
+            *(float4*)(x + 4 * i) = v;
+            ss = fmaf(v.x, v.x, ss); ss = fmaf(v.y, v.y, ss); ss = fmaf(v.z, v.z, ss); ss = fmaf(v.w, v.w, ss);
         }
     }
     if (mode & IN_NORM) {
@@ -251,7 +277,96 @@ __device__ void mv_load_input(const Ctx& c, int lane) {
     __syncthreads();
 }
 
-__device__ __noinline__ void run_matvec(Ctx& c) {
+
+#if RING
+extern __shared__ float4 smem4[];
+__shared__ u64 ring_mbar[RING_SLOTS];
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    u64 state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;" : "=l"(state) : "r"(smem_addr(bar)), "r"(bytes) : "memory");
+    (void)state;
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ unsigned char* ring_slot(u32 q) {
+    return (unsigned char*)smem4 + RING_OFF + (q % RING_SLOTS) * SLOT_BYTES;
+}
+
+// Does this matvec stage compute tiles at token iteration `it`? (The consumer's loop and the
+// producer's walk must agree exactly.)
+__device__ __forceinline__ bool mv_runs(const i64* st, int it, const Ctx& c) {
+    if ((int)st[S_TYPE] != ST_MATVEC) return false;
+    const int flags = (int)st[MV_FLAGS];
+    if ((flags & MVF_SKIP_PROMPT) && !c.logits_mode && it < c.P - 1) return false;
+    return !((c.skipmask >> ((flags & MVF_LOGITS) ? 5 : 1)) & 1);
+}
+
+// Thread 0: issue bulk copies for the next tiles of this block until RING_SLOTS are in flight
+// (looking at most one token ahead). Tile = R rows of W (and the same rows of W2 for a
+// gate/up pair, at slot offset R*K*2); rows are contiguous in memory, so one copy each.
+__device__ void ring_fill(Ctx& c) {
+    while (c.q_issued - c.q_cons < RING_SLOTS) {
+        const i64* st = c.stages + (i64)c.p_s * NSLOT;
+        while (!(mv_runs(st, c.p_it, c) && c.p_t < (int)st[MV_NTILES])) {
+            c.p_t = blockIdx.x;
+            if (++c.p_s == c.nst) { c.p_s = 0; ++c.p_it; }
+            if (c.p_it > c.it + 1) return;  // far enough ahead (also ends the walk for idle blocks)
+            st = c.stages + (i64)c.p_s * NSLOT;
+        }
+        int sidx, lane, row0;
+        mv_locate(st, c.p_t, sidx, lane, row0);
+        const i64* sg = seg(st, sidx);
+        const i64 K = st[MV_K];
+        const int R = mv_rows_per_tile(sg, (int)st[MV_S]);
+        const int rows = min(R, (int)sg[SEG_N] - row0);
+        const u32 bytes = (u32)(rows * K * 2);
+        const bool pair = sg[SEG_W2] != 0;
+        unsigned char* dst = ring_slot(c.q_issued);
+        u64* bar = &ring_mbar[c.q_issued % RING_SLOTS];
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads of the slot before async writes
+        mbar_expect_tx(bar, pair ? 2 * bytes : bytes);
+        bulk_copy(dst, (const u16*)sg[SEG_W] + lane * sg[SEG_WL] + row0 * K, bytes, bar);
+        if (pair) bulk_copy(dst + (i64)R * K * 2, (const u16*)sg[SEG_W2] + lane * sg[SEG_WL] + row0 * K, bytes, bar);
+        ++c.q_issued;
+        c.p_t += gridDim.x;
+    }
+}
+
+// Thread 0 before the block exits: no bulk copy may still be writing shared memory.
+__device__ void ring_drain(Ctx& c) {
+    for (u32 q = c.q_cons; q != c.q_issued; ++q) mbar_wait(&ring_mbar[q % RING_SLOTS], (q / RING_SLOTS) & 1);
+}
+#endif
+
+__device__ __forceinline__ void mv_load_batch(uint4* a, uint4* b, const uint4* Wa, const uint4* Wb, int i, int ke) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        int idx = i + u * 32;
+        if (idx < ke) { a[u] = ldw(Wa + idx); b[u] = ldw(Wb + idx); }
+    }
+}
+
+// The block's first tile's weights are requested (into registers) BEFORE waiting for the
+// producer stage: HBM streams while the block waits and loads the activation row.
+__device__ __noinline__ void run_matvec(Ctx& c, const u32* wctr, u32 wtarget) {
     const i64* st = c.st;
     const int ntiles = (int)st[MV_NTILES];
     const int K = (int)st[MV_K];
@@ -265,26 +380,13 @@ __device__ __noinline__ void run_matvec(Ctx& c) {
     float* part = c.sm + K + 16;  // [NW][2] partial sums when S > 1
     __shared__ float s_best[NW];
     __shared__ int s_bidx[NW];
-
-    if ((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0) {
-        // block 0 materialises the embedding (the residual stream) for every lane
-        int L = (int)st[MV_L];
-        const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
-        float* out = (float*)st[MV_EMB_OUT];
-        for (int i = tid; i < K * L; i += NT) out[i] = bf2f(tab[i % K]);
-    }
-    if ((flags & MVF_SKIP_PROMPT) && !c.logits_mode && c.it < c.P - 1) return;
+    bool waited = false;
+    const bool skip = (flags & MVF_SKIP_PROMPT) && !c.logits_mode && c.it < c.P - 1;
 
     int cur_lane = -1;
-    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        if (tid == 0) mv_prefetch(st, t + gridDim.x);
+    for (int t = skip ? ntiles : blockIdx.x; t < ntiles; t += gridDim.x) {
         int s, lane, row0;
         mv_locate(st, t, s, lane, row0);
-        if (lane != cur_lane) {
-            __syncthreads();
-            mv_load_input(c, lane);
-            cur_lane = lane;
-        }
         const i64* sg = seg(st, s);
         const int N = (int)sg[SEG_N];
         const bool swi = sg[SEG_W2] != 0;
@@ -303,15 +405,58 @@ __device__ __noinline__ void run_matvec(Ctx& c) {
             Wa = (const uint4*)(Wbase + (i64)min(ra, N - 1) * K);
             Wb = (const uint4*)(Wbase + (i64)min(rb, N - 1) * K);
         }
+        const bool active = ra < N;
+#if RING
+        {   // this tile's weights sit in ring slot q_cons: rows of W (and of W2) back to back
+            const int R = mv_rows_per_tile(sg, S);
+            const uint4* slot = (const uint4*)ring_slot(c.q_cons);
+            const int ra_l = ra - row0;
+            Wa = slot + (i64)ra_l * (K >> 3);
+            Wb = swi ? slot + (i64)(R + ra_l) * (K >> 3) : slot + (i64)(ra_l + 1) * (K >> 3);
+        }
+#else
+        uint4 a[UNROLL], b[UNROLL];
+#endif
+        int i = kb + ln;
+#if PRELOAD && !RING
+        if (active) mv_load_batch(a, b, Wa, Wb, i, ke);
+#endif
+        if (!waited) {
+            wait_counter(wctr, wtarget);
+            waited = true;
+            if ((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0) {
+                int L = (int)st[MV_L];
+                const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
+                float* out = (float*)st[MV_EMB_OUT];
+                for (int j = tid; j < K * L; j += NT) out[j] = bf2f(tab[j % K]);
+            }
+        }
+#if !RING
+        if (tid == 0) mv_prefetch(st, t + gridDim.x);
+#endif
+        if (lane != cur_lane) {
+            __syncthreads();
+            mv_load_input(c, lane);
+            cur_lane = lane;
+        }
+#if !PRELOAD && !RING
+        if (active) mv_load_batch(a, b, Wa, Wb, i, ke);
+#endif
         float acc0 = 0.f, acc1 = 0.f;
-        if (ra < N) {
-            for (int i = kb + ln; i < ke; i += 32 * UNROLL) {
-                uint4 a[UNROLL], b[UNROLL];
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    int idx = i + u * 32;
-                    if (idx < ke) { a[u] = ldw(Wa + idx); b[u] = ldw(Wb + idx); }
-                }
+#if RING
+        mbar_wait(&ring_mbar[c.q_cons % RING_SLOTS], (c.q_cons / RING_SLOTS) & 1);
+        if (active) {
+            // rows b past N (last tile) hold stale bytes: computed, never stored
+#pragma unroll 4
+            for (; i < ke; i += 32) {
+                const float* xv = x + i * 8;
+                acc0 = dot8(Wa[i], xv, acc0);
+                acc1 = dot8(Wb[i], xv, acc1);
+            }
+        }
+#else
+        if (active) {
+            while (true) {
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
                     int idx = i + u * 32;
@@ -320,8 +465,12 @@ __device__ __noinline__ void run_matvec(Ctx& c) {
                         acc1 = dot8(b[u], x + idx * 8, acc1);
                     }
                 }
+                i += 32 * UNROLL;
+                if (i >= ke) break;
+                mv_load_batch(a, b, Wa, Wb, i, ke);
             }
         }
+#endif
         acc0 = warp_sum(acc0);
         acc1 = warp_sum(acc1);
         if (S > 1) {
@@ -369,6 +518,19 @@ __device__ __noinline__ void run_matvec(Ctx& c) {
             }
         }
         __syncthreads();
+#if RING
+        ++c.q_cons;                  // every thread keeps the same count
+        if (tid == 0) ring_fill(c);  // the slot just read takes a tile RING_SLOTS ahead
+#endif
+    }
+    if (!waited) {
+        wait_counter(wctr, wtarget);
+        if ((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0) {
+            int L = (int)st[MV_L];
+            const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
+            float* out = (float*)st[MV_EMB_OUT];
+            for (int j = tid; j < K * L; j += NT) out[j] = bf2f(tab[j % K]);
+        }
     }
 }
 
@@ -552,17 +714,26 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             }
             __syncthreads();
             if (s_last) {
+                // (m, l) of every chunk into shared memory in parallel (sc is free now), then combine
+                for (int i = tid; i < G * nch; i += NT) {
+                    int gi = i / nch, k = i % nch;
+                    const float* ml = partML + (((i64)l * H + g * G + gi) * MAXCH + k) * 2;
+                    sc[i * 2] = ldf(ml);
+                    sc[i * 2 + 1] = ldf(ml + 1);
+                }
+                __syncthreads();
                 for (int i = tid; i < nout; i += NT) {
                     int gi = i / hd, d = i % hd;
                     int h = g * G + gi;
-                    const float* ml = partML + ((i64)l * H + h) * MAXCH * 2;
+                    const float* ml = sc + gi * nch * 2;
                     float M = -__int_as_float(0x7f800000);
-                    for (int k = 0; k < nch; ++k) M = fmaxf(M, ldf(ml + 2 * k));
+                    for (int k = 0; k < nch; ++k) M = fmaxf(M, ml[2 * k]);
                     float num = 0.f, den = 0.f;
+                    const float* po = partO + (((i64)l * H + h) * MAXCH) * hd + d;
                     for (int k = 0; k < nch; ++k) {
-                        float w = expf(ldf(ml + 2 * k) - M);
-                        num = fmaf(w, ldf(partO + (((i64)l * H + h) * MAXCH + k) * hd + d), num);
-                        den = fmaf(w, ldf(ml + 2 * k + 1), den);
+                        float w = expf(ml[2 * k] - M);
+                        num = fmaf(w, __ldcg(po + (i64)k * hd), num);
+                        den = fmaf(w, ml[2 * k + 1], den);
                     }
                     ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = num / den;
                 }
@@ -810,16 +981,12 @@ __device__ __noinline__ void run_sample(Ctx& c) {
 }
 
 // ------------------------------------------------------------------------------ kernel
-__device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {
-    if (threadIdx.x == 0) {
-        while (ld_acquire(ctr) < target) { }
-    }
-    __syncthreads();
-}
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
+#if !RING
     extern __shared__ float4 smem4[];
+#endif
     __shared__ float red[NW + 2];
     Ctx c;
     c.run = run;
@@ -829,28 +996,49 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     c.nb = gridDim.x;
     c.P = (int)run[R_PROMPT_LEN];
     c.logits_mode = (int)run[R_LOGITS_MODE];
+    c.stages = stages;
+    c.nst = nst;
+    c.q_cons = c.q_issued = 0;
+    c.p_it = 0; c.p_s = 0; c.p_t = blockIdx.x;
+    c.it = 0;
     const int start_pos = (int)run[R_START_POS];
     const int* prompt = (const int*)run[R_PROMPT];
     const u32 nb = gridDim.x;
     const int skipmask = (int)run[R_SKIP];  // benchmark breakdown only: stage kinds not executed
+    c.skipmask = skipmask;
+#if RING
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < RING_SLOTS; ++i) mbar_init(&ring_mbar[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) ring_fill(c);
+#endif
     for (int it = 0;; ++it) {
         c.it = it;
         c.pos = start_pos + it;
+#if RING
+        if (threadIdx.x == 0) ring_fill(c);  // an idle producer resumes one token ahead
+#endif
         for (int s = 0; s < nst; ++s) {
             const i64* st = stages + (i64)s * NSLOT;
             c.st = st;
             const int type = (int)st[S_TYPE];
+#if !RING
             if (type == ST_MATVEC && threadIdx.x == 0) {
                 bool skip = ((int)st[MV_FLAGS] & MVF_SKIP_PROMPT) && !c.logits_mode && it < c.P - 1;
                 int kind0 = ((int)st[MV_FLAGS] & MVF_LOGITS) ? 5 : 1;
                 if (!skip && !((skipmask >> kind0) & 1)) mv_prefetch(st, blockIdx.x);
             }
-            if (s > 0) wait_counter(counters + s - 1, nb * (u32)(it + 1));
-            else if (it > 0) wait_counter(counters + nst - 1, nb * (u32)it);
-            if (s == 0) c.tok = it < c.P ? prompt[it] : (int)ldi64(run + R_TOK);
+#endif
+            const u32* wctr = s > 0 ? counters + s - 1 : counters + nst - 1;
+            const u32 wtarget = s > 0 ? nb * (u32)(it + 1) : nb * (u32)it;
+            if (s == 0) c.tok = it < c.P ? prompt[it] : (int)ldi64(run + R_TOK);  // written before the previous iteration's last wait
             int kind = (type == ST_MATVEC && ((int)st[MV_FLAGS] & MVF_LOGITS)) ? 5 : type;
-            if ((skipmask >> kind) & 1) { }
-            else if (type == ST_MATVEC) run_matvec(c);
+            const bool skipk = (skipmask >> kind) & 1;
+            if (type != ST_MATVEC || skipk) wait_counter(wctr, wtarget);
+            if (skipk) { }
+            else if (type == ST_MATVEC) run_matvec(c, wctr, wtarget);
             else if (type == ST_ATTN) run_attention(c);
             else if (type == ST_EW) run_ew(c);
             else if (type == ST_SAMPLE) run_sample(c);
@@ -860,4 +1048,8 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
         wait_counter(counters + nst - 1, nb * (u32)(it + 1));
         if (ldi64(run + R_STOP)) break;
     }
+#if RING
+    if (threadIdx.x == 0) ring_drain(c);
+    __syncthreads();
+#endif
 }
