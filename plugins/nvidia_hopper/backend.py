@@ -145,10 +145,17 @@ class HopperBackend(KernelBackend):
         self.nst = len(stages)
         self.d_counters = self._alloc(self.nst * 4)
         self.smem = (smem + 127) // 128 * 128
+        variant = dict(self.ring) if self.ring else {"RING": 0}
         if self.ring:
             self.smem = self.ring["RING_OFF"] + self.ring["RING_SLOTS"] * self.ring["SLOT_BYTES"]
+        else:
+            cp = S.cpasync_plan(smem, self.max_smem)
+            if cp:
+                variant.update(cp)
+                self.smem = cp["CP_OFF"] + cp["_bytes"]
+        self.variant = {k: v for k, v in variant.items() if not k.startswith("_")}
         # compile (cached on disk) and load
-        cubin, log = compile_cubin(source(S.header(self.ring or {"RING": 0})))
+        cubin, log = compile_cubin(source(S.header(variant)))
         self.ptxas = ptxas_report(log)
         self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.fn = check(drv.cuModuleGetFunction(self.module, b"kog_decode"), "cuModuleGetFunction")
@@ -365,7 +372,7 @@ class HopperBackend(KernelBackend):
         d = {"backend": self.name, "device": name, "sm_count": self.sms, "blocks": self.nb,
              "copy_bandwidth_TBps": round(self.copy_bandwidth(), 3)}
         if self.program is not None:
-            d.update(stages=self.nst, shared_memory=self.smem, **{f"ptxas_{k}": v for k, v in self.ptxas.items()})
+            d.update(stages=self.nst, shared_memory=self.smem, variant=getattr(self, "variant", {}), **{f"ptxas_{k}": v for k, v in self.ptxas.items()})
         return d
 
     def stage_summary(self) -> list[str]:

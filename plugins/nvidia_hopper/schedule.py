@@ -71,7 +71,7 @@ def header(variant: dict | None = None) -> str:
         if os.environ.get("KOG_HOPPER_" + k):
             variant.setdefault(k, int(os.environ["KOG_HOPPER_" + k]))
     lines = [f"#define {k} {v}" for d in (SLOTS, CONSTS, RUN) for k, v in d.items()]
-    lines += [f"#define {k} {v}" for k, v in variant.items()]
+    lines += [f"#define {k} {v}" for k, v in variant.items() if not k.startswith("_")]
     return "\n".join(lines) + "\n"
 
 
@@ -446,6 +446,21 @@ def ring_plan(stage_smem: int, max_smem: int) -> dict:
     if slots < 2:
         return {}
     return dict(RING=1, RING_SLOTS=slots, SLOT_BYTES=slot, RING_OFF=off)
+
+
+def cpasync_plan(stage_smem: int, max_smem: int) -> dict:
+    """Per-thread cp.async weight pipeline (KOG_HOPPER_CPASYNC=1): as many stages of
+    2 rows x UNROLL x 16 B per thread as fit after the stages' scratch (at most 6, at least 2)."""
+    import os
+    if os.environ.get("KOG_HOPPER_CPASYNC", "0") != "1":
+        return {}
+    unroll = int(os.environ.get("KOG_HOPPER_UNROLL", 2))
+    per_stage = 2 * unroll * 16 * NT
+    off = (stage_smem + 127) // 128 * 128
+    stages = min(6, (max_smem - STATIC_SMEM - off) // per_stage)
+    if stages < 2:
+        return {}
+    return dict(CPASYNC=1, CP_STAGES=stages, CP_OFF=off, UNROLL=unroll, _bytes=stages * per_stage)
 
 
 def ring_split(K: int, slot_bytes: int) -> int:

@@ -38,6 +38,19 @@ typedef long long i64;
 #ifndef SLOT_BYTES
 #define SLOT_BYTES 32768
 #endif
+// CPASYNC: every thread streams its own weight chunks through a private pipeline of CP_STAGES
+// batches in shared memory (cp.async.cg, 16 B each, no registers held while in flight), so loads
+// of later batches overlap the arithmetic on earlier ones; laid out [stage][row][u][thread] so a
+// warp's accesses are conflict-free. CP_OFF: its byte offset in dynamic shared memory.
+#ifndef CPASYNC
+#define CPASYNC 0
+#endif
+#ifndef CP_STAGES
+#define CP_STAGES 4
+#endif
+#ifndef CP_OFF
+#define CP_OFF 0
+#endif
 #ifndef RING_OFF
 #define RING_OFF 0    // byte offset of the ring in dynamic shared memory (after every stage's scratch)
 #endif
@@ -278,15 +291,42 @@ __device__ void mv_load_input(const Ctx& c, int lane) {
 }
 
 
-#if RING
+#if RING || CPASYNC
 extern __shared__ float4 smem4[];
-__shared__ u64 ring_mbar[RING_SLOTS];
-
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u64 a;
     asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
     return (u32)a;
 }
+#endif
+#if CPASYNC
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait_all_but_newest() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(CP_STAGES - 1) : "memory");
+}
+__device__ __forceinline__ uint4* cp_slot(int stage, int r, int u) {
+    return (uint4*)((unsigned char*)smem4 + CP_OFF) + ((stage * 2 + r) * UNROLL + u) * NT + threadIdx.x;
+}
+// Batch `bat` of this thread's chunks of rows a and b: uint4 indices i0 + (bat*UNROLL + u)*32.
+// Always commits a group (empty past the end) so wait_group counts stay uniform.
+__device__ __forceinline__ void cp_issue(const uint4* Wa, const uint4* Wb, int i0, int ke, int bat, int nbat) {
+    if (bat < nbat) {
+        const int stg = bat % CP_STAGES;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            int idx = i0 + (bat * UNROLL + u) * 32;
+            if (idx < ke) { cp_async16(cp_slot(stg, 0, u), Wa + idx); cp_async16(cp_slot(stg, 1, u), Wb + idx); }
+        }
+    }
+    cp_commit();
+}
+#endif
+#if RING
+__shared__ u64 ring_mbar[RING_SLOTS];
+
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
@@ -414,11 +454,14 @@ __device__ __noinline__ void run_matvec(Ctx& c, const u32* wctr, u32 wtarget) {
             Wa = slot + (i64)ra_l * (K >> 3);
             Wb = swi ? slot + (i64)(R + ra_l) * (K >> 3) : slot + (i64)(ra_l + 1) * (K >> 3);
         }
-#else
+#elif !CPASYNC
         uint4 a[UNROLL], b[UNROLL];
 #endif
         int i = kb + ln;
-#if PRELOAD && !RING
+#if CPASYNC
+        const int nbat = active && i < ke ? (ke - i + 32 * UNROLL - 1) / (32 * UNROLL) : 0;
+        for (int bat = 0; bat < CP_STAGES - 1; ++bat) cp_issue(Wa, Wb, i, ke, bat, nbat);  // before any wait
+#elif PRELOAD && !RING
         if (active) mv_load_batch(a, b, Wa, Wb, i, ke);
 #endif
         if (!waited) {
@@ -439,11 +482,26 @@ __device__ __noinline__ void run_matvec(Ctx& c, const u32* wctr, u32 wtarget) {
             mv_load_input(c, lane);
             cur_lane = lane;
         }
-#if !PRELOAD && !RING
+#if !PRELOAD && !RING && !CPASYNC
         if (active) mv_load_batch(a, b, Wa, Wb, i, ke);
 #endif
         float acc0 = 0.f, acc1 = 0.f;
-#if RING
+#if CPASYNC
+        for (int bat = 0; bat < nbat; ++bat) {
+            cp_issue(Wa, Wb, i, ke, bat + CP_STAGES - 1, nbat);
+            cp_wait_all_but_newest();  // this thread's batch `bat` has landed (only it reads it)
+            const int stg = bat % CP_STAGES;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                int idx = i + (bat * UNROLL + u) * 32;
+                if (idx < ke) {
+                    acc0 = dot8(*cp_slot(stg, 0, u), x + idx * 8, acc0);
+                    acc1 = dot8(*cp_slot(stg, 1, u), x + idx * 8, acc1);
+                }
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");  // nothing in flight into slots past the tile
+#elif RING
         mbar_wait(&ring_mbar[c.q_cons % RING_SLOTS], (c.q_cons / RING_SLOTS) & 1);
         if (active) {
             // rows b past N (last tile) hold stale bytes: computed, never stored
@@ -984,7 +1042,7 @@ __device__ __noinline__ void run_sample(Ctx& c) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
-#if !RING
+#if !RING && !CPASYNC
     extern __shared__ float4 smem4[];
 #endif
     __shared__ float red[NW + 2];
