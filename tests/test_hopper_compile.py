@@ -107,3 +107,18 @@ def test_ring_tiles_fit_their_slot():
     for K in (64, 576, 1536, 2048, 3072, 8192):
         S = schedule.ring_split(K, schedule.SLOT_BYTES)
         assert 64 * K // S <= schedule.SLOT_BYTES and K // 8 >= S
+
+
+def test_logits_rows_are_one_vocabulary_apart_for_laneformer_heads():
+    """Logits mode stores position p's logits at p * V, also when the program has L lanes."""
+    from kog_core.interfaces import resolve_factory
+    from kog_core.plugins import load_registry
+    from kog_nvidia_hopper import schedule as S
+    from gpu.hopper_models import LANEFORMER_SMALL
+    arch = resolve_factory(load_registry().architectures["laneformer"].factory)(LANEFORMER_SMALL["laneformer-replicate"])
+    prog = arch.lower(context_length=64, kv_dtype="bf16")
+    stages = S.lower(prog, 132)
+    heads = [st for st in stages if st.type == "matvec" and any(sg["out_name"] == prog.logits for sg in st.segs)]
+    assert len(heads) == 1
+    S.finalize_matvec(heads[0], 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    assert heads[0].f["MV_OUT_STRIDE"] == prog.vocab_size and prog.lanes == 4

@@ -155,12 +155,13 @@ class ReferenceBackend(KernelBackend):
 
     def _op_kv_append(self, op):
         k, v, ck, cv = op.inputs
+        store = _storage_rounding(self.program.tensors[ck].dtype)
 
         def run():
             K, Vc = self.t[ck], self.t[cv]
             lanes, hkv, T, hd = K.shape
-            K[:, :, self.pos, :] = self._local(k).reshape(lanes, hkv, hd)
-            Vc[:, :, self.pos, :] = self._local(v).reshape(lanes, hkv, hd)
+            K[:, :, self.pos, :] = store(self._local(k).reshape(lanes, hkv, hd))
+            Vc[:, :, self.pos, :] = store(self._local(v).reshape(lanes, hkv, hd))
         return run
 
     def _op_attention(self, op):
@@ -259,3 +260,14 @@ class ReferenceBackend(KernelBackend):
             else:
                 raise ValueError(f"lane_residual mode {mode!r}")
         return run
+
+
+def _storage_rounding(dtype: str):
+    """A KV cache declared bf16/f16 holds values rounded to that type (what a GPU stores); the
+    arithmetic stays float32."""
+    if dtype == "bf16":
+        import ml_dtypes
+        return lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)
+    if dtype == "f16":
+        return lambda a: a.astype(np.float16).astype(np.float32)
+    return lambda a: a

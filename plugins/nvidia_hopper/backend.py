@@ -126,7 +126,8 @@ class HopperBackend(KernelBackend):
         self.ring = S.ring_plan(smem, self.max_smem)  # {} when the weight ring does not fit
         for st in stages:
             if st.type == "matvec":
-                S.finalize_matvec(st, self.nb, program.logits, argmax_alloc, slot_bytes=self.ring.get("SLOT_BYTES"))
+                S.finalize_matvec(st, self.nb, program.logits, argmax_alloc, slot_bytes=self.ring.get("SLOT_BYTES"),
+                                  logits_numel=program.tensors[program.logits].numel)
             if st.type == "attn":
                 sc = st.f.pop("_scratch")
                 st.f["AT_PART_O"] = self._alloc(sc["part_o"] * 4)

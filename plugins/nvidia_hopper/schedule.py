@@ -29,7 +29,7 @@ SLOTS = dict(
     S_TYPE=0,
     # matvec
     MV_NTILES=1, MV_K=2, MV_S=3, MV_FLAGS=4, MV_IN_MODE=5, MV_IN=6, MV_NORM_W=7, MV_NORM_WL=8,
-    MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_SEG0=16,
+    MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_OUT_STRIDE=15, MV_SEG0=16,
     SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
     SEG_RESL=8, SEG_W2=9, SEG_TILE0=10, SEG_TPL=11,
     # attention
@@ -262,6 +262,10 @@ def lower(program: DecodeProgram, nb: int) -> list[Stage]:
     for name in list(pending):
         if _readers(ops, -1, name):
             pass
+    if not any(sg["out_name"] == P.logits for st in stages if st.type == "matvec" for sg in st.segs):
+        # logits mode and the in-kernel argmax read the logits where a matvec writes them
+        raise CapabilityError("nvidia_hopper needs the logits written by a matvec; this head (e.g. Laneformer's "
+                              "vocab_parallel) is not supported yet: use --backend reference")
     _finish(P, stages)
     return stages
 
@@ -471,7 +475,8 @@ def ring_split(K: int, slot_bytes: int) -> int:
     raise CapabilityError(f"nvidia_hopper: rows of {K} values are too long for a {slot_bytes}-byte ring slot")
 
 
-def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, slot_bytes: int | None = None):
+def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, slot_bytes: int | None = None,
+                    logits_numel: int = 0):
     K = st.f["MV_K"]
     if slot_bytes:
         S = ring_split(K, slot_bytes)
@@ -490,6 +495,9 @@ def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, slot_byt
     flags = 0
     if any(s["out_name"] == logits_name for s in st.segs):
         flags |= 1  # MVF_LOGITS
+        # logits mode stores one row of the logits tensor per position: its size, not N x lanes
+        # (a Laneformer head has one output lane while the program has L)
+        st.f["MV_OUT_STRIDE"] = logits_numel
         if len(st.segs) == 1 and st.segs[0]["lanes"] == 1:
             flags |= 4  # MVF_ARGMAX
             st.f["MV_ARGMAX"] = argmax_alloc(tiles)

@@ -546,7 +546,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, const u32* wctr, u32 wtarget) {
         if (ks == 0 && ln == 0 && ra < N) {
             float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
             if ((flags & MVF_LOGITS) && c.logits_mode)
-                out = (float*)c.run[R_LOGITS_ALL] + (i64)c.it * (N * (i64)st[MV_L]) + lane * sg[SEG_OUTL];
+                out = (float*)c.run[R_LOGITS_ALL] + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
             const u16* bias = (const u16*)sg[SEG_BIAS];
             const float* res = (const float*)sg[SEG_RES];
             if (swi) {
