@@ -91,11 +91,10 @@ class Engine:
             hf_config = dict(preset.config)
             tokenizer = _try_preset_tokenizer(preset, reg)
         else:
-            from .checkpoint import load_checkpoint
+            from .checkpoint import read_config
             from .hub import resolve_model
             path = resolve_model(cfg.model.name, reg.presets)
-            ckpt = load_checkpoint(path, progress=progress)
-            hf_config, tokenizer, model_path = ckpt.config, ckpt.tokenizer, str(path)
+            hf_config, model_path = read_config(path), str(path)  # weights load after the capability check
         arch_spec = reg.architecture_for(str(hf_config.get("model_type")))
         try:
             arch: ModelArchitecture = resolve_factory(arch_spec.factory)(hf_config)
@@ -116,9 +115,10 @@ class Engine:
             from .random_weights import random_weights
             weights = random_weights(arch, seed=cfg.model.seed, dtype=_np_dtype(cfg.model.weight_dtype))
         else:
-            from .checkpoint import validate_tensors
+            from .checkpoint import load_checkpoint, validate_tensors
+            ckpt = load_checkpoint(model_path, progress=progress)
             validate_tensors(ckpt.tensors, arch.expected_tensors(), source=str(model_path))
-            weights = ckpt.tensors
+            weights, tokenizer = ckpt.tensors, ckpt.tokenizer
         backend = _make_backend(reg, backend_name, cfg, program, weights)
         return cls(cfg, reg, arch, program, backend, tokenizer, preset, model_path, time.perf_counter() - t0)
 

@@ -96,3 +96,23 @@ def test_unsupported_program_fails_before_weights_load(example_plugin_site):
     assert r.returncode == 2
     assert "cannot run laneformer-2b" in r.stderr and "not implemented" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_capabilities_are_checked_before_any_weight_is_read(tmp_path, monkeypatch):
+    import json
+
+    from safetensors.numpy import save_file
+
+    import kog_core.checkpoint as checkpoint
+    from kog_core import Engine
+    from kog_core.interfaces import BackendSpec
+    cfg = small_llama_config()
+    save_file(Llama(cfg).random_weights(0), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    reg = load_registry()
+    monkeypatch.setitem(reg.backends, "matvec_only", BackendSpec(
+        name="matvec_only", factory="kog_core.reference.backend:ReferenceBackend",
+        capabilities=BackendCapabilities(ops=frozenset({"matvec"}))))
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(CapabilityError, match="backend 'matvec_only' cannot run .*attention.* not implemented"):
+        Engine.load(model=str(tmp_path), backend="matvec_only")

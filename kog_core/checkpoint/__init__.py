@@ -51,6 +51,28 @@ def load_checkpoint(path: str | Path, progress: bool = True) -> Checkpoint:
     raise CheckpointError(f"{path} is not a model directory, .gguf or .safetensors file")
 
 
+def read_config(path: str | Path) -> dict:
+    """Only the HF-style config of a checkpoint (no tensor is read or dequantized), so the engine
+    can check a backend's capabilities before it loads any weight."""
+    from .gguf_loader import gguf_config, metadata, open_reader
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist; check the path or run `kog pull`")
+    if path.is_dir() and not shard_files(path):
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    if path.is_file() and path.suffix == ".gguf":
+        reader = open_reader(path)
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+        return gguf_config(metadata(reader), shapes, path)
+    if path.is_dir() and shard_files(path):
+        return _read_config(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        return _read_config(path.parent)
+    return load_checkpoint(path, progress=False).config  # the same one-line errors as a full load
+
+
 def load_tokenizer(path: str | Path) -> "Tokenizer | None":
     """Only the tokenizer of a checkpoint (fast: no weights are read or dequantized); None if it has none."""
     from ..tokenizer import Tokenizer
