@@ -241,3 +241,22 @@ def test_demo_round_trip(demo_tokenizer):
     assert demo_tokenizer.decode(ids) == text
     stream = demo_tokenizer.stream_decoder()
     assert "".join(stream.push(i) for i in ids) + stream.flush() == text
+
+
+def test_tokenizer_model_only_directory_goes_through_sentencepiece(tmp_path):
+    """A Llama-2-style checkpoint folder with tokenizer.model and no tokenizer.json."""
+    spm = pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["the quick brown fox jumps over the lazy dog", "hello world, hello kog",
+                                 "decode speed at batch one is memory bound"] * 50))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=60,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+                                   minloglevel=2)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>",
+                                                                "eos_token": "</s>"}))
+    from kog_core.tokenizer import Tokenizer
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    ids = tok.encode("hello world", add_special_tokens=True)
+    assert ids[0] == 1 and len(ids) > 2
+    assert tok.decode(ids, skip_special_tokens=True) == "hello world"
+    assert 2 in tok.eos_token_ids
