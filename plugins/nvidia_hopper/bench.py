@@ -1,5 +1,6 @@
-"""Benchmark of the nvidia_hopper backend on a preset with random bf16 weights (until `kog bench`
-exists), optionally running the torch peer in the same process' job.
+"""Benchmark script of the nvidia_hopper backend on a preset with random bf16 weights (the kernel
+developer's loop: variants via KOG_HOPPER_* without the engine); `kog bench --backend
+nvidia_hopper` is the user-facing benchmark.
 
     python3 -m kog_nvidia_hopper.bench --preset bench-2b --tokens 512 [--peer path/to/torch_peer.py]
 """
@@ -16,21 +17,10 @@ import numpy as np
 
 
 def random_bf16_weights(arch, seed=0):
-    """Random weights of the expected shapes, fast: slices of one random bf16 pool (decode speed
-    does not depend on the values; every tensor still has its own memory)."""
+    """Random bf16 weights of the expected shapes (kog_core's pooled generator: seconds, not minutes)."""
     import ml_dtypes
-    rng = np.random.default_rng(seed)
-    pool = (0.02 * rng.standard_normal(1 << 24, dtype=np.float32)).astype(ml_dtypes.bfloat16)
-    out, off = {}, 0
-    for name, shape in arch.expected_tensors().items():
-        n = int(np.prod(shape))
-        if "norm" in name:
-            out[name] = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(ml_dtypes.bfloat16)
-            continue
-        a = np.resize(pool[off % 65536:], n)
-        out[name] = a.reshape(shape)
-        off += 7919
-    return out
+    from kog_core.random_weights import random_weights
+    return random_weights(arch, seed=seed, dtype=ml_dtypes.bfloat16)
 
 
 def build(preset_name, context):
