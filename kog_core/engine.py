@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, Union
+from typing import Iterator, Sequence, Union
 
 import numpy as np
 

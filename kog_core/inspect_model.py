@@ -1,8 +1,6 @@
 """Build a model's decode program without loading weights (for `kog inspect`)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from .errors import KogError
 from .interfaces import resolve_factory
 from .plugins import load_registry

@@ -4,14 +4,13 @@ Rank r holds lanes [r*L/R, (r+1)*L/R); the ranks meet in the program's `collecti
 a collective plugin (e.g. kccl's cpu_threads). Rank 0's logits are the result."""
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 import numpy as np
 
 from .errors import KogError
-from .interfaces import KernelBackend, resolve_factory
+from .interfaces import KernelBackend
 
 
 class MultiRankBackend(KernelBackend):
@@ -22,9 +21,7 @@ class MultiRankBackend(KernelBackend):
         super().__init__()
         if program.lanes % ranks:
             raise KogError(f"{ranks} ranks do not divide the model's {program.lanes} lanes; pick a divisor of {program.lanes}")
-        if collective_name not in registry.collectives:
-            raise KogError(f"unknown collective {collective_name!r}; available: {', '.join(sorted(registry.collectives)) or 'none'}")
-        group = resolve_factory(registry.collectives[collective_name].factory)(ranks)
+        group = registry.collective(collective_name, world_size=ranks)  # unknown name: one-line PluginError
         self.program, self.ranks = program, ranks
         self.backends = [registry.create_backend(backend_name, **options) for _ in range(ranks)]
         self.capabilities = self.backends[0].capabilities

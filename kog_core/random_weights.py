@@ -22,7 +22,7 @@ def random_weights(arch, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarra
     normal = rng.standard_normal(POOL_SIZE, dtype=np.float32)
     pools = {1.0: normal.astype(dtype), 0.02: (0.02 * normal).astype(dtype)}
     out = {}
-    for i, (name, shape) in enumerate(shapes.items()):
+    for name, shape in shapes.items():
         n = int(np.prod(shape))
         if "norm" in name or n < 1 << 20:
             out[name] = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(dtype) if "norm" in name \

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kog_core.errors import BackendUnavailable, CapabilityError, PluginError
+from kog_core.errors import CapabilityError, PluginError
 from kog_core.interfaces import BackendCapabilities
 from kog_core.plugins import load_registry
 from kog_moe_standard_tp.llama import Llama

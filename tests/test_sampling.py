@@ -1,6 +1,5 @@
 """Sampling: exact greedy, the counter-based RNG, top-k / top-p behaviour, reproducibility."""
 import numpy as np
-import pytest
 
 from kog_core.interfaces import SamplingParams
 from kog_core.sampling import philox4x32, philox_uniform, sample_token

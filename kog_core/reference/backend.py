@@ -135,7 +135,7 @@ class ReferenceBackend(KernelBackend):
 
     def _op_rope(self, op):
         x, inv, out = op.inputs[0], op.inputs[1], op.outputs[0]
-        H, hd, style = op.attr("n_heads"), op.attr("head_dim"), op.attr("style")
+        hd, style = op.attr("head_dim"), op.attr("style")
 
         def run():
             a = self._local(x)

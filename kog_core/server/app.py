@@ -360,8 +360,8 @@ def create_app(engine, server_config=None):
                         yield chunk(item.text, None)
                     if item.result is not None:
                         res = item.result
-                        # text the engine still held back when generation ended (e.g. a partial stop
-                        # string prefix followed by EOS) is in the final text: send the rest now
+                        # safety net: the engine flushes held-back text on every finish, so the
+                        # streamed text should already equal the final text; send any difference
                         if res.text.startswith(sent) and len(res.text) > len(sent):
                             yield chunk(res.text[len(sent):], None)
                         yield chunk(None, res.finish_reason)

@@ -131,7 +131,6 @@ def lower(program: DecodeProgram, nb: int) -> list[Stage]:
         raise CapabilityError(f"nvidia_hopper does not implement ops {', '.join(unsupported)}")
     stages: list[Stage] = []
     pending: dict[str, dict] = {}   # tensor -> loader (embed/norm) not materialised
-    done = set()
     i = 0
 
     def shape_row(name):
@@ -221,9 +220,6 @@ def lower(program: DecodeProgram, nb: int) -> list[Stage]:
                         continue
                 segs.append(_seg(P, a, L))
                 gi += 1
-            if x in pending:
-                # the loader replaces the (never materialised) normalised tensor
-                pass
             K = ld["K"]
             if K % 8:
                 raise CapabilityError(f"nvidia_hopper needs matvec inner sizes that are multiples of 8 (got {K})")
@@ -259,9 +255,6 @@ def lower(program: DecodeProgram, nb: int) -> list[Stage]:
             continue
         stages.append(_ew_stage(P, op, i))
         i += 1
-    for name in list(pending):
-        if _readers(ops, -1, name):
-            pass
     if not any(sg["out_name"] == P.logits for st in stages if st.type == "matvec" for sg in st.segs):
         # logits mode and the in-kernel argmax read the logits where a matvec writes them
         raise CapabilityError("nvidia_hopper needs the logits written by a matvec; this head (e.g. Laneformer's "
@@ -295,7 +288,6 @@ def _seg(P, op, L, w2=None, out=None):
 
 def _match_attention(ops, i, T):
     """rope(q), rope(k), kv_append(k, v), attention(q) in a row (the ropes optional)."""
-    idx = []
     j = i
     ropes = []
     while j < len(ops) and ops[j].kind == "rope" and len(ropes) < 2:
@@ -332,7 +324,7 @@ def _attn_stage(P, ops, idxs, nb):
     H = A.attr("n_heads")
     G = H // Hkv
     if hd % 8 or hd > 256 or G > 8 or H % Hkv:
-        raise CapabilityError(f"nvidia_hopper attention needs head_dim % 8 == 0, <= 256 and <= 8 query heads per kv head")
+        raise CapabilityError("nvidia_hopper attention needs head_dim % 8 == 0, <= 256 and <= 8 query heads per kv head")
     if T[A.inputs[1]].dtype not in ("bf16", "f32"):
         raise CapabilityError("unsupported KV dtype")
     f = dict(AT_L=L, AT_H=H, AT_HKV=Hkv, AT_HD=hd, AT_T=Tctx, AT_WINDOW=A.attr("window") or 0,
@@ -365,7 +357,6 @@ def _attn_stage(P, ops, idxs, nb):
 def _ew_stage(P, op, i):
     T = P.tensors
     k = op.kind
-    L = P.lanes
 
     def lanes_of(name):
         s = T[name].shape
@@ -412,8 +403,6 @@ def _ew_stage(P, op, i):
 def _finish(P, stages):
     """Tile counts, K-splits, LM-head flags, prompt skipping."""
     # the stage writing the logits: argmax partials for greedy, prompt positions skip it
-    logits = P.logits
-    first_tail = None
     last_layer_stage = max((si for si, st in enumerate(stages) if any(P.ops[j].layer is not None for j in st.ops)), default=-1)
     tail = list(range(last_layer_stage + 1, len(stages)))
     # tail stages can be skipped for prompt positions if nothing before them reads what they write

@@ -1,7 +1,6 @@
 """nvidia_hopper on the H200: the one-launch kernel against the CPU reference backend."""
 from __future__ import annotations
 
-import hashlib
 import os
 
 import numpy as np
