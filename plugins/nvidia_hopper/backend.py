@@ -87,10 +87,14 @@ class HopperBackend(KernelBackend):
         if problems:
             raise CapabilityError("nvidia_hopper cannot run this model: " + "; ".join(problems))
         self.program = program
+        self.nthreads = S.NT + 32  # + the producer warp
         stages = S.lower(program, self.nb)
         self.T = program.context_length
         ptr: dict[str, int] = {}
         consts = program.metadata.get("consts", {})
+        # a matvec weight lives only in its stage's packed copy (item order); weights read any other
+        # way (embedding tables, norms, biases; a tied LM head's table) are uploaded as they are
+        plain = {name for op in program.ops for i, name in enumerate(op.inputs) if not (op.kind == "matvec" and i == 1)}
         for spec in program.tensors.values():
             if spec.kind == "weight":
                 if spec.name not in weights:
@@ -98,7 +102,8 @@ class HopperBackend(KernelBackend):
                 w = weights[spec.name]
                 if tuple(w.shape) != spec.shape:
                     raise KogError(f"weight {spec.name!r} has shape {tuple(w.shape)}, the program expects {spec.shape}")
-                ptr[spec.name] = self._upload(_to_bf16_bits(w))
+                if spec.name in plain:
+                    ptr[spec.name] = self._upload(_to_bf16_bits(w))
             elif spec.kind == "const":
                 c = np.asarray(consts[spec.name], dtype=np.float32).reshape(spec.shape)
                 ptr[spec.name] = self._upload(c)
@@ -121,13 +126,28 @@ class HopperBackend(KernelBackend):
             self.argmax_tiles = tiles
             return self.argmax_ptr
 
+        import os
+        slot_bytes = int(os.environ.get("KOG_HOPPER_SLOT_KB", 32)) * 1024
+        item_rows = int(os.environ.get("KOG_HOPPER_ITEM_ROWS", 0)) or None
         rows = []
-        smem = max([4096] + [st.smem for st in stages])
-        self.ring = S.ring_plan(smem, self.max_smem)  # {} when the weight ring does not fit
+        if os.environ.get("KOG_HOPPER_ATTN_COMBINE", "loader") == "loader":
+            S.fuse_attention_combine(program, stages)
+        self.d_desc = self._alloc(len(stages) * S.NSLOT * 8)  # rows point at each other (MV_ATTN)
         for st in stages:
+            if "_attn_stage" in st.f:
+                at = stages[st.f["_attn_stage"]]
+                st.f["MV_ATTN"] = self.d_desc + st.f["_attn_stage"] * S.NSLOT * 8
             if st.type == "matvec":
-                S.finalize_matvec(st, self.nb, program.logits, argmax_alloc, slot_bytes=self.ring.get("SLOT_BYTES"),
+                S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
+                plan, xbytes = S.stream_plan(st, self.nb, S.NW, slot_bytes, item_rows)
+                st.f["MV_PLAN"] = self._upload(plan)
+                packed = S.pack_stage_weights(plan, self.nb, st.segs, lambda name: _to_bf16_bits(weights[name]))
+                st.f["MV_PACKED"] = self._upload(packed)
+                del packed
+                st.smem = xbytes
+                if "_attn_stage" in st.f:  # chunk weights of the attention combine (decode.cu mv_load_attn)
+                    st.smem += at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16
             if st.type == "attn":
                 sc = st.f.pop("_scratch")
                 st.f["AT_PART_O"] = self._alloc(sc["part_o"] * 4)
@@ -138,23 +158,21 @@ class HopperBackend(KernelBackend):
             if st.type == "sample":
                 st.f["SM_ARGMAX"] = self.argmax_ptr
                 st.f["SM_NPART"] = self.argmax_tiles
-            smem = max(smem, st.smem)
             rows.append(self._pack(st))
         self.stages = stages
         self.desc = np.stack(rows)
-        self.d_desc = self._upload(self.desc)
+        check(drv.cuMemcpyHtoD(self.d_desc, self.desc.ctypes.data, self.desc.nbytes), "cuMemcpyHtoD(stages)")
         self.nst = len(stages)
         self.d_counters = self._alloc(self.nst * 4)
-        self.smem = (smem + 127) // 128 * 128
-        variant = dict(self.ring) if self.ring else {"RING": 0}
-        if self.ring:
-            self.smem = self.ring["RING_OFF"] + self.ring["RING_SLOTS"] * self.ring["SLOT_BYTES"]
-        else:
-            cp = S.cpasync_plan(smem, self.max_smem)
-            if cp:
-                variant.update(cp)
-                self.smem = cp["CP_OFF"] + cp["_bytes"]
-        self.variant = {k: v for k, v in variant.items() if not k.startswith("_")}
+        scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
+        # the weight ring takes the shared memory the stages leave
+        nslots = min(S.MAX_SLOTS, (self.max_smem - S.STATIC_SMEM - scratch) // slot_bytes)
+        if nslots < 2:
+            raise CapabilityError(f"nvidia_hopper: the stages need {scratch} bytes of shared memory, leaving no "
+                                  f"room for two {slot_bytes}-byte weight slots (try KOG_HOPPER_SLOT_KB=16)")
+        variant = dict(NT=S.NT, NSLOTS=nslots, SLOT_BYTES=slot_bytes, RING_OFF=scratch)
+        self.smem = scratch + nslots * slot_bytes
+        self.variant = variant
         # compile (cached on disk) and load
         cubin, log = compile_cubin(source(S.header(variant)))
         self.ptxas = ptxas_report(log)
@@ -162,7 +180,7 @@ class HopperBackend(KernelBackend):
         self.fn = check(drv.cuModuleGetFunction(self.module, b"kog_decode"), "cuModuleGetFunction")
         check(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem),
               "cuFuncSetAttribute(shared memory)")
-        occ = check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, S.NT, self.smem), "occupancy")
+        occ = check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, self.nthreads, self.smem), "occupancy")
         if occ < 1:
             raise KogError(f"the nvidia_hopper kernel does not fit on an SM ({self.smem} bytes shared memory)")
         # run parameters, prompt, stop ids, sampling scratch, host-mapped outputs
@@ -202,7 +220,9 @@ class HopperBackend(KernelBackend):
         for si, sg in enumerate(st.segs):
             base = S.SLOTS["MV_SEG0"] + si * S.SEG_STRIDE
             for k, v in sg.items():
-                if k.startswith("SEG_"):
+                if k in ("SEG_W", "SEG_W2"):  # the packed copy (MV_PACKED) holds them; W2 marks a pair
+                    row[base + S.SLOTS[k]] = 1 if v else 0
+                elif k.startswith("SEG_"):
                     row[base + S.SLOTS[k]] = val(v)
         return row
 
@@ -242,7 +262,7 @@ class HopperBackend(KernelBackend):
         self.cancel_view[0] = 0
         args = ((self.d_desc, self.nst, self.d_counters, self.d_run),
                 (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p))
-        check(drv.cuLaunchCooperativeKernel(self.fn, self.nb, 1, 1, S.NT, 1, 1, self.smem, self.stream, args),
+        check(drv.cuLaunchCooperativeKernel(self.fn, self.nb, 1, 1, self.nthreads, 1, 1, self.smem, self.stream, args),
               "cuLaunchCooperativeKernel")
 
     def _sync(self):
@@ -380,7 +400,7 @@ class HopperBackend(KernelBackend):
         out = []
         for st in self.stages:
             if st.type == "matvec":
-                out.append(f"matvec[{st.label}] tiles={st.f['MV_NTILES']} S={st.f['MV_S']} K={st.f['MV_K']} flags={st.f['MV_FLAGS']}")
+                out.append(f"matvec[{st.label}] K={st.f['MV_K']} flags={st.f['MV_FLAGS']}")
             else:
                 out.append(f"{st.type}[{st.label}]")
         return out

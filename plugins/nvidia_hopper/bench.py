@@ -78,7 +78,8 @@ def run(preset, tokens, context, breakdown=True):
                weight_GB=round(wbytes / 1e9, 3), kv_MB_mid=round(kvbytes / 1e6, 2),
                achieved_TBps=round(tps * (wbytes + kvbytes) / 1e12, 3), copy_TBps=bw,
                mbu=round(tps * (wbytes + kvbytes) / 1e12 / bw, 3), floor_tok_s=round(bw * 1e12 / (wbytes + kvbytes), 1),
-               load_s=round(t_load, 1), stages=hb.nst, device=desc["device"], ptxas=hb.ptxas)
+               load_s=round(t_load, 1), stages=hb.nst, device=desc["device"], ptxas=hb.ptxas,
+               variant=hb.variant)
     if breakdown:
         res["breakdown"] = hb.bench_breakdown(prompt, tokens) if hasattr(hb, "bench_breakdown") else None
     hb.close()
@@ -97,7 +98,7 @@ def main():
     results = []
     for p in a.preset or ["bench-2b"]:
         r = run(p, a.tokens, a.context, breakdown=not a.no_breakdown)
-        r['variant'] = {k: os.environ.get('KOG_HOPPER_' + k) for k in ('UNROLL', 'PRELOAD')}
+        r['env'] = {k: v for k, v in os.environ.items() if k.startswith('KOG_HOPPER_')}
         print(json.dumps(r), flush=True)
         if a.peer:
             peer_name = {"laneformer-2b": "laneformer-2b-dense"}.get(p, p)

@@ -1,30 +1,50 @@
 #!/bin/bash
-# One full device call (H200): GPU tests and `kog bench` for the default kernel and the cp.async
-# variant, diagnostics, the torch peer for the same shapes, sanitizers. Logs under $OUT.
-# Carry: .whl (kog + pydantic wheels built here), .devcarry/torch_peer.py; for the SmolLM2 test
-# the GGUF's first half in /root/smol/part.aa (copied by an earlier call) and .devcarry/smol/part.ab.
+# Device-call driver (H200). Phases given as arguments, run in order, logs under $OUT:
+#   setup      install the carried wheels (.whl: kog + pydantic & co built here); always first
+#   smolpart1  keep the SmolLM2 GGUF's first half (.devcarry/smol/part.aa) in /root/smol for the next call
+#   check      selfcheck, then the GPU tests (SmolLM2 too when both GGUF halves are there)
+#   bench      `kog bench` for the three presets, default build, with the breakdown
+#   variants   bench-2b under tuning variants (KOG_HOPPER_SLOT_KB / ITEM_ROWS / STREAM=0)
+#   peer       the torch peer (.devcarry/torch_peer.py) for the same shapes
+#   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >$OUT/pip.log 2>&1 || { echo "pip failed"; tail -3 $OUT/pip.log; }
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > $OUT/env.txt
-if [ -f /root/smol/part.aa ] && [ -f .devcarry/smol/part.ab ]; then
-  cat /root/smol/part.aa .devcarry/smol/part.ab > /tmp/smol.gguf
-  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" | sha256sum -c --quiet && export KOG_TEST_GGUF=/tmp/smol.gguf && echo "SmolLM2 GGUF reassembled"
-fi
-for v in 0 1; do echo "selfcheck CPASYNC=$v: $(KOG_HOPPER_CPASYNC=$v timeout 40 python3 -m kog_nvidia_hopper.selfcheck 2>&1 | tail -1)"; done
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee $OUT/pytest.log | grep -E "passed|failed|FAILED|SKIPPED" | cut -c1-250
-KOG_HOPPER_CPASYNC=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not smollm" 2>&1 | tee $OUT/pytest_cpasync.log | grep -E "passed|failed|FAILED" | cut -c1-250
-timeout 40 python3 -m kog_nvidia_hopper.diagnose laneformer-replicate 3 > $OUT/diag.log 2>&1; head -40 $OUT/diag.log | cut -c1-160
-for v in 0 1; do for m in bench-2b llama-3.2-1b laneformer-2b; do
-  KOG_HOPPER_CPASYNC=$v timeout 100 python3 -m kog_core.cli bench --backend nvidia_hopper --model $m --random-weights --context-length 4096 > $OUT/kb_${m}_cp$v.log 2>&1
-  echo "== $m CPASYNC=$v rc=$?"; grep -E "^(decode|bandwidth|prefill)|us/token" $OUT/kb_${m}_cp$v.log | cut -c1-160
-done; done
-for p in bench-2b llama-3.2-1b laneformer-2b-dense; do
-  timeout 110 python3 .devcarry/torch_peer.py --preset $p --tokens 512 --modes compiled > $OUT/peer_$p.log 2>&1; tail -1 $OUT/peer_$p.log | cut -c1-400
-done
-for v in 0 1; do for tool in memcheck racecheck; do
-  KOG_HOPPER_CPASYNC=$v timeout 45 compute-sanitizer --tool $tool --print-limit 10 python3 -m kog_nvidia_hopper.selfcheck > $OUT/san_${tool}_cp$v.log 2>&1
-  echo "$tool CPASYNC=$v rc=$?: $(tail -1 $OUT/san_${tool}_cp$v.log)"
-done; done
+for phase in "$@"; do case $phase in
+setup)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >$OUT/pip.log 2>&1 || { echo "pip failed"; tail -3 $OUT/pip.log; }
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader ;;
+smolpart1)
+  mkdir -p /root/smol && cp .devcarry/smol/part.aa /root/smol/ && echo "part.aa kept" ;;
+check)
+  export PYTHONPATH=/tmp/site
+  if [ -f /root/smol/part.aa ] && [ -f .devcarry/smol/part.ab ]; then
+    cat /root/smol/part.aa .devcarry/smol/part.ab > /tmp/smol.gguf
+    echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" | sha256sum -c --quiet && export KOG_TEST_GGUF=/tmp/smol.gguf && echo "SmolLM2 GGUF reassembled"
+  fi
+  echo "selfcheck: $(timeout 60 python3 -m kog_nvidia_hopper.selfcheck 2>&1 | tail -1 | cut -c1-300)"
+  timeout ${CHECK_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu ${CHECK_K:+-k "$CHECK_K"} 2>&1 | tee $OUT/pytest.log | grep -E "passed|failed|FAILED|SKIPPED|Error" | cut -c1-300 ;;
+bench)
+  export PYTHONPATH=/tmp/site
+  for m in ${MODELS:-bench-2b llama-3.2-1b laneformer-2b}; do
+    timeout 120 python3 -m kog_core.cli bench --backend nvidia_hopper --model $m --random-weights --context-length 4096 > $OUT/kb_$m.log 2>&1
+    echo "== $m rc=$?"; grep -E "^(decode|bandwidth|prefill|kernel)|us/token|Error|error" $OUT/kb_$m.log | cut -c1-200
+  done ;;
+variants)
+  export PYTHONPATH=/tmp/site
+  for v in ${VARIANTS:-"KOG_HOPPER_SLOT_KB=16" "KOG_HOPPER_ITEM_ROWS=16" "KOG_HOPPER_SLOT_KB=48"}; do
+    env $v timeout 90 python3 -m kog_nvidia_hopper.bench --preset ${VMODEL:-bench-2b} --tokens 512 --no-breakdown > $OUT/var.log 2>&1
+    echo "== $v rc=$?: $(tail -1 $OUT/var.log | cut -c1-200)"
+  done ;;
+peer)
+  export PYTHONPATH=/tmp/site
+  for p in ${PEERS:-bench-2b llama-3.2-1b laneformer-2b-dense}; do
+    timeout 110 python3 .devcarry/torch_peer.py --preset $p --tokens 512 --modes compiled > $OUT/peer_$p.log 2>&1; tail -1 $OUT/peer_$p.log | cut -c1-400
+  done ;;
+sanitize)
+  export PYTHONPATH=/tmp/site
+  for tool in memcheck racecheck; do
+    timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --print-limit 10 python3 -m kog_nvidia_hopper.selfcheck > $OUT/san_$tool.log 2>&1
+    echo "$tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|selfcheck ok" $OUT/san_$tool.log | tr '\n' ' ')"
+  done ;;
+esac; done

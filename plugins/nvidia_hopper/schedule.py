@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kog_core.errors import CapabilityError
 from kog_core.program import DecodeProgram
 
-NT = 512
+NT = 384        # consumer threads per block (12 warps); the block has one more warp, the weight producer
 NW = NT // 32
 NSLOT = 96
 SEG_STRIDE = 12
@@ -28,14 +30,15 @@ MAX_SEGS = 4
 SLOTS = dict(
     S_TYPE=0,
     # matvec
-    MV_NTILES=1, MV_K=2, MV_S=3, MV_FLAGS=4, MV_IN_MODE=5, MV_IN=6, MV_NORM_W=7, MV_NORM_WL=8,
+    MV_K=2, MV_FLAGS=4, MV_IN_MODE=5, MV_IN=6, MV_NORM_W=7, MV_NORM_WL=8,
     MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_OUT_STRIDE=15, MV_SEG0=16,
+    MV_PLAN=64, MV_PACKED=65, MV_ATTN=66,
     SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
-    SEG_RESL=8, SEG_W2=9, SEG_TILE0=10, SEG_TPL=11,
+    SEG_RESL=8, SEG_W2=9,
     # attention
     AT_L=1, AT_H=2, AT_HKV=3, AT_HD=4, AT_T=5, AT_WINDOW=6, AT_MAXCH=7, AT_SCALE=8, AT_Q=9,
     AT_KC=10, AT_VC=11, AT_OUT=12, AT_ROPE_Q=13, AT_ROPE_K=14, AT_COS=15, AT_SIN=16, AT_KNEW=17,
-    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22,
+    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22, AT_NOCOMBINE=23,
     # elementwise
     EW_OP=1, EW_L=2, EW_D=3, EW_A=4, EW_B=5, EW_C=6, EW_OUT=7, EW_OUT2=8, EW_GROUP=9, EW_WL=10,
     EW_F0=11, EW_HD=12, EW_STYLE=13, EW_T=14, EW_LIN=15,
@@ -45,7 +48,7 @@ SLOTS = dict(
 CONSTS = dict(
     NSLOT=NSLOT, SEG_STRIDE=SEG_STRIDE,
     ST_MATVEC=1, ST_ATTN=2, ST_EW=3, ST_SAMPLE=4,
-    IN_EMBED=1, IN_NORM=2,
+    IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
     MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
     OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
@@ -64,12 +67,9 @@ SUPPORTED_OPS = frozenset({"embed", "rmsnorm", "matvec", "rope", "kv_append", "a
 
 
 def header(variant: dict | None = None) -> str:
-    """The #defines shared with decode.cu; `variant` overrides tuning macros (UNROLL, PRELOAD)."""
-    import os
+    """The #defines shared with decode.cu; `variant` sets the ring (NSLOTS, SLOT_BYTES, RING_OFF)."""
     variant = dict(variant or {})
-    for k in ("UNROLL", "PRELOAD", "RING"):
-        if os.environ.get("KOG_HOPPER_" + k):
-            variant.setdefault(k, int(os.environ["KOG_HOPPER_" + k]))
+    variant.setdefault("NT", NT)
     lines = [f"#define {k} {v}" for d in (SLOTS, CONSTS, RUN) for k, v in d.items()]
     lines += [f"#define {k} {v}" for k, v in variant.items() if not k.startswith("_")]
     return "\n".join(lines) + "\n"
@@ -103,25 +103,7 @@ def _writes_between(ops, i, j, name):
     return any(name in ops[k].outputs for k in range(i + 1, j))
 
 
-def choose_split(K: int, n_rows: list[tuple[int, int, bool]], nb: int) -> int:
-    """Pick the K-split S (warps per row group) so the tiles fill the grid evenly."""
-    best, best_eff = 1, -1.0
-    for S in (1, 2, 4, 8, 16):
-        if S > 1 and K // S < 256:
-            break
-        tiles = 0
-        for N, L, swi in n_rows:
-            R = (NW // S) * (1 if swi else 2)
-            tiles += L * -(-N // R)
-        eff = tiles / (-(-tiles // nb) * nb)
-        if eff > best_eff + 0.04:
-            best, best_eff = S, eff
-        if eff >= 0.9:
-            break
-    return best
-
-
-def lower(program: DecodeProgram, nb: int) -> list[Stage]:
+def lower(program: DecodeProgram, nb: int, nt: int = NT) -> list[Stage]:
     P = program
     ops = P.ops
     T = P.tensors
@@ -229,7 +211,6 @@ def lower(program: DecodeProgram, nb: int) -> list[Stage]:
                      MV_EMB_OUT=("@" + ld["emb_name"]) if ld["mode"] & 1 else 0, MV_FLAGS=0)
             st = Stage("matvec", f, segs, ops=sorted(consumed),
                        label="+".join(ops[g].inputs[1].split(".")[-2] if "." in ops[g].inputs[1] else ops[g].inputs[1] for g in group))
-            st.smem = (K + 16 + 2 * NW) * 4
             stages.append(st)
             # embedding written by this stage: no longer pending
             if ld["mode"] & 1:
@@ -239,11 +220,11 @@ def lower(program: DecodeProgram, nb: int) -> list[Stage]:
         if k in ("rope", "kv_append", "attention"):
             fused = _match_attention(ops, i, T)
             if fused is not None:
-                stages.append(_attn_stage(P, ops, fused, nb))
+                stages.append(_attn_stage(P, ops, fused, nb, nt))
                 i = fused[-1] + 1
                 continue
         if k == "attention":
-            stages.append(_attn_stage(P, ops, [i], nb))
+            stages.append(_attn_stage(P, ops, [i], nb, nt))
             i += 1
             continue
         if k == "sample":
@@ -316,7 +297,7 @@ def _match_attention(ops, i, T):
     return ropes + [kva, att]
 
 
-def _attn_stage(P, ops, idxs, nb):
+def _attn_stage(P, ops, idxs, nb, nt):
     A = ops[idxs[-1]]
     T = P.tensors
     kshape = T[A.inputs[1]].shape  # [L, Hkv, T, hd]
@@ -333,7 +314,7 @@ def _attn_stage(P, ops, idxs, nb):
              AT_KNEW=0, AT_VNEW=0, AT_TARGET=nb)
     maxch = max(-(-Tctx // 512), max(1, nb // (L * Hkv)))
     f["AT_MAXCH"] = maxch
-    if maxch * G * 2 > 8 * 512:
+    if maxch * G * 2 > nt * 8:
         raise CapabilityError(f"nvidia_hopper attention: context {Tctx} with {G} query heads per kv head is too long for one chunk table")
     scratch = dict(part_o=L * H * maxch * hd, part_ml=L * H * maxch * 2, ticket=L * Hkv)
     if len(idxs) > 1:
@@ -350,7 +331,10 @@ def _attn_stage(P, ops, idxs, nb):
                 f["AT_ROPE_K"] = style
     st = Stage("attn", f, ops=list(idxs), label="attention")
     st.f["_scratch"] = scratch
-    st.smem = (8 * 256 + 512 + 8 * 512) * 4 + NT * 8 * G * 4 + 64
+    # decode.cu run_attention: q and running output [G][hd], new k and v [hd], scores [G][ATT_SUB],
+    # P.V partials (nt * 8 floats), two double buffers of K and V sub-chunks [ATT_SUB][hd + 8] bf16
+    sub = 32
+    st.smem = (2 * G * hd + 2 * hd + G * sub) * 4 + nt * 8 * 4 + 2 * 2 * sub * (hd + 8) * 2 + 64
     return st
 
 
@@ -400,8 +384,28 @@ def _ew_stage(P, op, i):
     raise CapabilityError(f"nvidia_hopper cannot run op {k}")
 
 
+def fuse_attention_combine(P, stages) -> None:
+    """Stream build: when an attention stage's output feeds only the next stage's matvecs (o_proj),
+    the attention tiles just write their chunk partials (m, l, o) and that matvec's input loader
+    combines them (IN_ATTN): no ticket, fence and extra round trips between the two stages.
+    The matvec gets `_attn_stage` (the attention stage's index) for its MV_ATTN pointer."""
+    for i in range(len(stages) - 1):
+        at, mv = stages[i], stages[i + 1]
+        if at.type != "attn" or mv.type != "matvec" or mv.f.get("MV_IN_MODE") != 0:
+            continue
+        a = at.ops[-1]
+        out = P.ops[a].outputs[0]
+        if mv.f.get("MV_IN") != "@" + out or mv.f["MV_K"] != at.f["AT_H"] * at.f["AT_HD"]:
+            continue
+        if any(j not in mv.ops for j in _readers(P.ops, a, out)) or not _readers(P.ops, a, out):
+            continue
+        at.f["AT_NOCOMBINE"] = 1
+        mv.f["MV_IN_MODE"] = CONSTS["IN_ATTN"]
+        mv.f["_attn_stage"] = i
+
+
 def _finish(P, stages):
-    """Tile counts, K-splits, LM-head flags, prompt skipping."""
+    """Which matvec stages prompt positions may skip (the LM head)."""
     # the stage writing the logits: argmax partials for greedy, prompt positions skip it
     last_layer_stage = max((si for si, st in enumerate(stages) if any(P.ops[j].layer is not None for j in st.ops)), default=-1)
     tail = list(range(last_layer_stage + 1, len(stages)))
@@ -421,65 +425,118 @@ def _finish(P, stages):
     return stages
 
 
-SLOT_BYTES = 32768      # one weight tile of the ring: 64 * K / S bytes must fit
-MAX_RING_SLOTS = 6
-STATIC_SMEM = 8192      # the kernel's static shared memory (reductions, mbarriers: 4.4 KB), rounded up
+STATIC_SMEM = 8192      # the kernel's static shared memory (reductions, mbarriers: ~4.5 KB), rounded up
+MAX_SLOTS = 16
 
 
-def ring_plan(stage_smem: int, max_smem: int) -> dict:
-    """Where the weight ring goes in dynamic shared memory and how many slots fit; {} when it is
-    off. Off by default: measured slower than the register path on 2026-12-02 (perf notes v4);
-    KOG_HOPPER_RING=1 turns it on, KOG_HOPPER_SLOT_KB sets the slot size."""
-    import os
-    if os.environ.get("KOG_HOPPER_RING", "0") != "1":
-        return {}
-    slot = int(os.environ.get("KOG_HOPPER_SLOT_KB", SLOT_BYTES // 1024)) * 1024
-    off = (stage_smem + 127) // 128 * 128
-    slots = min(MAX_RING_SLOTS, (max_smem - STATIC_SMEM - off) // slot)
-    if slots < 2:
-        return {}
-    return dict(RING=1, RING_SLOTS=slots, SLOT_BYTES=slot, RING_OFF=off)
+def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | None = None) -> tuple[np.ndarray, int]:
+    """The per-block work list of a matvec stage for the weight stream, and the x scratch it needs.
+
+    Rows of every (segment, lane) are dealt to the blocks in contiguous ranges of equal bytes
+    (a row never straddles two blocks: no cross-block reduction, so results do not depend on
+    timing). A block's range is cut into row groups (<= max_rows weight rows: 2 per consumer
+    warp, gate+up for a pair segment) and each group into k-slices so that an item fits one ring
+    slot; the slices of a group are consecutive items, so a warp accumulates them in registers.
+    Every item is one contiguous run of the stage's packed weights (pack_stage_weights), so the
+    producer moves it with a single bulk copy.
+    Returns (int32 plan, bytes of x scratch). Layout: see decode.cu (PLAN_ITEMS)."""
+    K = int(st.f["MV_K"])
+    max_rows = max_rows or 2 * nw
+    runs = []  # (segment, lane, rows, pair)
+    for si, sg in enumerate(st.segs):
+        for lane in range(sg["lanes"]):
+            runs.append((si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"])))
+    total = sum(n * (2 if pair else 1) for _, _, n, pair in runs)  # weight rows
+    per_block: list[list[tuple]] = [[] for _ in range(nb)]
+    base = 0
+    for si, lane, n, pair in runs:
+        cost = 2 if pair else 1
+        blk = ((base + np.arange(n, dtype=np.int64) * cost) * nb) // total
+        base += n * cost
+        bounds = np.searchsorted(blk, np.arange(nb + 1))
+        for b in np.nonzero(bounds[1:] > bounds[:-1])[0]:
+            r0, r1 = int(bounds[b]), int(bounds[b + 1])
+            cap = max_rows // cost
+            ngroups = -(-(r1 - r0) // cap)
+            edges = [r0 + (r1 - r0) * g // ngroups for g in range(ngroups + 1)]
+            if not pair:  # even row counts where possible: a warp takes two rows
+                edges = [e + ((e - r0) & 1) if 0 < g < ngroups else e for g, e in enumerate(edges)]
+            for g in range(ngroups):
+                a, z = edges[g], edges[g + 1]
+                if z <= a:
+                    continue
+                rows = (z - a) * cost
+                kmax = max(8, slot_bytes // (rows * 2) // 8 * 8)
+                chunks = K // 8
+                nsl = -(-chunks // (kmax // 8))
+                cuts = [chunks * i // nsl for i in range(nsl + 1)]
+                for i in range(nsl):
+                    flags = (1 if i == 0 else 0) | (2 if i == nsl - 1 else 0)
+                    per_block[int(b)].append([si, lane, a, z - a, cuts[i] * 8, (cuts[i + 1] - cuts[i]) * 8, flags, 0])
+    head = (3 * nb + 4) & ~3
+    offs, lane0, nl, items = [0], [], [], []
+    xbytes = 0
+    for b in range(nb):
+        its = per_block[b]
+        lanes = [it[1] for it in its]
+        lo = min(lanes) if its else 0
+        cnt = (max(lanes) - lo + 1) if its else 0
+        for it in its:
+            it[7] = (it[1] - lo) * K
+        lane0.append(lo)
+        nl.append(cnt)
+        items += its
+        offs.append(len(items))
+        xbytes = max(xbytes, cnt * K * 4)
+    # packed offsets in 16-byte units; field 0 carries segment | lane << 2, field 1 the offset
+    at = 0
+    for it in items:
+        si, lane, rows, klen = it[0], it[1], it[3], it[5]
+        nbytes = rows * klen * 2 * (2 if st.segs[si]["SEG_W2"] else 1)
+        it[0], it[1] = si | (lane << 2), at // 16
+        at += nbytes
+    plan = np.zeros(head + 8 * len(items), np.int32)
+    plan[:nb + 1] = offs
+    plan[nb + 1:2 * nb + 1] = lane0
+    plan[2 * nb + 1:3 * nb + 1] = nl
+    if items:
+        plan[head:] = np.asarray(items, np.int64).ravel()
+    return plan, xbytes
 
 
-def cpasync_plan(stage_smem: int, max_smem: int) -> dict:
-    """Per-thread cp.async weight pipeline (KOG_HOPPER_CPASYNC=1): as many stages of
-    2 rows x UNROLL x 16 B per thread as fit after the stages' scratch (at most 6, at least 2)."""
-    import os
-    if os.environ.get("KOG_HOPPER_CPASYNC", "0") != "1":
-        return {}
-    unroll = int(os.environ.get("KOG_HOPPER_UNROLL", 2))
-    per_stage = 2 * unroll * 16 * NT
-    off = (stage_smem + 127) // 128 * 128
-    stages = min(6, (max_smem - STATIC_SMEM - off) // per_stage)
-    if stages < 2:
-        return {}
-    return dict(CPASYNC=1, CP_STAGES=stages, CP_OFF=off, UNROLL=unroll, _bytes=stages * per_stage)
+def plan_items(plan: np.ndarray, nb: int) -> np.ndarray:
+    """The items of a plan as rows of (segment, lane, packed offset / 16, row0, rows, k0, klen, flags, xoff)."""
+    it = plan[(3 * nb + 4) & ~3:].reshape(-1, 8).astype(np.int64)
+    return np.concatenate([it[:, :1] & 3, it[:, :1] >> 2, it[:, 1:]], axis=1)
 
 
-def ring_split(K: int, slot_bytes: int) -> int:
-    """The K-split S whose tile (2 * NW / S rows of K bf16: 64 * K / S bytes) fits one slot."""
-    for S in (1, 2, 4, 8, 16):
-        if 64 * K // S <= slot_bytes and (K // 8) >= S:
-            return S
-    raise CapabilityError(f"nvidia_hopper: rows of {K} values are too long for a {slot_bytes}-byte ring slot")
+def pack_stage_weights(plan: np.ndarray, nb: int, segs: list, weight_bits) -> np.ndarray:
+    """The stage's matvec weights (bf16 bits) in the order the producer streams them: item after
+    item, each `rows x klen` of W (row-major), then the same rows of W2 for a gate/up pair.
+    weight_bits(name) -> uint16 array [N, K] or [L, N, K]."""
+    items = plan_items(plan, nb)
+    if not len(items):
+        return np.zeros(8, np.uint16)
+    last = items[-1]
+    total = last[2] * 8 + last[4] * last[6] * (2 if segs[last[0]]["SEG_W2"] else 1)
+    out = np.empty(total, np.uint16)
+    mats = {}
+    for si, lane, off16, r0, rows, k0, klen, _, _ in items:
+        sg = segs[si]
+        names = [sg["SEG_W"][1:]] + ([sg["SEG_W2"][1:]] if sg["SEG_W2"] else [])
+        at = off16 * 8
+        for name in names:
+            if name not in mats:
+                mats[name] = weight_bits(name)
+            w = mats[name]
+            w = w[lane] if w.ndim == 3 else w
+            out[at:at + rows * klen] = w[r0:r0 + rows, k0:k0 + klen].ravel()
+            at += rows * klen
+    return out
 
 
-def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, slot_bytes: int | None = None,
-                    logits_numel: int = 0):
-    K = st.f["MV_K"]
-    if slot_bytes:
-        S = ring_split(K, slot_bytes)
-    else:
-        S = choose_split(K, [(s["SEG_N"], s["lanes"], bool(s["SEG_W2"])) for s in st.segs], nb)
-    tiles = 0
-    for s in st.segs:
-        R = (NW // S) * (1 if s["SEG_W2"] else 2)
-        tpl = -(-s["SEG_N"] // R)
-        s["SEG_TILE0"] = tiles
-        s["SEG_TPL"] = tpl
-        tiles += s["lanes"] * tpl
-    st.f["MV_S"] = S
-    st.f["MV_NTILES"] = tiles
+def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, logits_numel: int = 0):
+    """Flags of a matvec stage; the LM head's (max, index) partials (one per block) for greedy sampling."""
     st.f["MV_NSEG"] = len(st.segs)
     flags = 0
     if any(s["out_name"] == logits_name for s in st.segs):
@@ -489,7 +546,7 @@ def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, slot_byt
         st.f["MV_OUT_STRIDE"] = logits_numel
         if len(st.segs) == 1 and st.segs[0]["lanes"] == 1:
             flags |= 4  # MVF_ARGMAX
-            st.f["MV_ARGMAX"] = argmax_alloc(tiles)
+            st.f["MV_ARGMAX"] = argmax_alloc(nb)
     if st.f.get("_skip"):
         flags |= 2
     st.f["MV_FLAGS"] = flags

@@ -2,12 +2,12 @@
 //
 // The host lowers the model's DecodeProgram into a list of *stages* (fused groups of ops,
 // see schedule.py); every block walks the same stage list once per token. A stage is split
-// into tiles that blocks take round-robin. Ordering between stages uses one monotonically
+// into work that every block takes its share of. Ordering between stages uses one monotonically
 // increasing completion counter per stage in global memory: a block signals stage s once
-// (red.release.gpu) after finishing its tiles, and before stage s+1 it spins (ld.acquire.gpu,
+// (red.release.gpu) after finishing its share, and before stage s+1 it spins (ld.acquire.gpu,
 // one thread) until counter[s] == gridDim.x * (token_iteration + 1). Nothing is ever reset
-// within a launch. Before spinning, a block issues a bulk L2 prefetch of the weights of its
-// first tile of the coming stage, so HBM streams while it waits.
+// within a launch. Matvec weights do not wait for any of this: each block's producer warp
+// streams them into shared memory ahead of the consumers, across stages and tokens.
 //
 // The stage-descriptor slot numbers (S_*, MV_*, AT_*, EW_*, R_*) are #defined by the host
 // (kog_nvidia_hopper/schedule.py) in a header prepended to this file at compile time.
@@ -18,38 +18,20 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
 
-#define NT 512
+// Block: NT consumer threads plus one producer warp that streams every matvec's weights into a
+// ring of shared-memory slots with the bulk copy engine, from a per-block item list built by the
+// host (schedule.stream_plan), across stage and token boundaries: weight streaming never waits
+// on activations, and consumer warps never wait on each other per item.
+#ifndef NT
+#define NT 384
+#endif
 #define NW (NT / 32)
-#ifndef UNROLL
-#define UNROLL 4      // 16-byte weight loads in flight per thread and row (4 measured best, perf notes v3)
-#endif
-#ifndef PRELOAD
-#define PRELOAD 1     // request the first tile's weights before waiting on the producer
-#endif
-// RING (opt-in, see perf notes v4): matvec weights stream through a ring of shared-memory slots filled by the bulk copy
-// engine (cp.async.bulk, completing on an mbarrier), RING_SLOTS tiles ahead of the tile being
-// computed, across stage and token boundaries: weight streaming never waits on activations.
-#ifndef RING
-#define RING 0
-#endif
-#ifndef RING_SLOTS
-#define RING_SLOTS 4
+#define NTHREADS (NT + 32)
+#ifndef NSLOTS
+#define NSLOTS 4
 #endif
 #ifndef SLOT_BYTES
 #define SLOT_BYTES 32768
-#endif
-// CPASYNC: every thread streams its own weight chunks through a private pipeline of CP_STAGES
-// batches in shared memory (cp.async.cg, 16 B each, no registers held while in flight), so loads
-// of later batches overlap the arithmetic on earlier ones; laid out [stage][row][u][thread] so a
-// warp's accesses are conflict-free. CP_OFF: its byte offset in dynamic shared memory.
-#ifndef CPASYNC
-#define CPASYNC 0
-#endif
-#ifndef CP_STAGES
-#define CP_STAGES 4
-#endif
-#ifndef CP_OFF
-#define CP_OFF 0
 #endif
 #ifndef RING_OFF
 #define RING_OFF 0    // byte offset of the ring in dynamic shared memory (after every stage's scratch)
@@ -67,23 +49,10 @@ __device__ __forceinline__ u16 f2bf(float f) {
 }
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
 
-// Weights are read-only for the whole launch: non-coherent path, no L1 allocation.
-__device__ __forceinline__ uint4 ldw(const uint4* p) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
 // Data written inside the launch by other blocks: read at L2 (never a stale L1 line).
 __device__ __forceinline__ float ldf(const float* p) {
     float r;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ uint4 ldcg4(const void* p) { return __ldcg((const uint4*)p); }
-__device__ __forceinline__ float4 ldcgf4(const float* p) {
-    float4 r;
-    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
     return r;
 }
 __device__ __forceinline__ i64 ldi64(const i64* p) {
@@ -104,24 +73,19 @@ __device__ __forceinline__ u32 ld_sys(const volatile u32* p) {
     asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
-    // bulk prefetch into L2 (sm_90); size must be a multiple of 16, address 16B aligned
-    const char* c = (const char*)p;
-    while (bytes >= 16) {
-        u32 n = bytes > (1u << 20) ? (1u << 20) : (u32)(bytes & ~15ull);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(c), "r"(n) : "memory");
-        c += n;
-        bytes -= n;
-    }
-}
 
-__device__ __forceinline__ float dot8(uint4 w, const float* x, float acc) {
-    float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
+
+__device__ __forceinline__ float dot8s(uint4 w, float4 a, float4 b, float acc) {
     acc = fmaf(bf_lo(w.x), a.x, acc); acc = fmaf(bf_hi(w.x), a.y, acc);
     acc = fmaf(bf_lo(w.y), a.z, acc); acc = fmaf(bf_hi(w.y), a.w, acc);
     acc = fmaf(bf_lo(w.z), b.x, acc); acc = fmaf(bf_hi(w.z), b.y, acc);
     acc = fmaf(bf_lo(w.w), b.z, acc); acc = fmaf(bf_hi(w.w), b.w, acc);
     return acc;
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -135,50 +99,55 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Barrier of the consumer threads only (the producer warp never joins).
+__device__ __forceinline__ void csync() {
+    asm volatile("bar.sync 1, %0;" :: "n"(NT) : "memory");
+}
+
 // Block-wide reductions (all threads must call; result broadcast). red: NW floats of smem.
 __device__ float block_sum(float v, float* red) {
     v = warp_sum(v);
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    __syncthreads();
+    csync();
     if (l == 0) red[w] = v;
-    __syncthreads();
+    csync();
     float t = 0.f;
     if (w == 0) {
         t = l < NW ? red[l] : 0.f;
         t = warp_sum(t);
         if (l == 0) red[NW] = t;
     }
-    __syncthreads();
+    csync();
     return red[NW];
 }
 __device__ float block_max(float v, float* red) {
     v = warp_max(v);
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    __syncthreads();
+    csync();
     if (l == 0) red[w] = v;
-    __syncthreads();
+    csync();
     if (w == 0) {
         float t = l < NW ? red[l] : -__int_as_float(0x7f800000);
         t = warp_max(t);
         if (l == 0) red[NW] = t;
     }
-    __syncthreads();
+    csync();
     return red[NW];
 }
 __device__ u32 block_count(u32 v, u32* red) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    __syncthreads();
+    csync();
     if (l == 0) red[w] = v;
-    __syncthreads();
+    csync();
     if (w == 0) {
         u32 t = l < NW ? red[l] : 0u;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
         if (l == 0) red[NW] = t;
     }
-    __syncthreads();
+    csync();
     return red[NW];
 }
 
@@ -205,11 +174,7 @@ struct Ctx {
     int it, pos, tok, P, logits_mode, nb;
     float* sm;          // dynamic shared memory
     float* red;         // small reduction scratch (NW + 1 floats)
-    // weight ring (RING): tiles consumed so far by this block, and thread 0's producer cursor
-    const i64* stages;
-    int nst, skipmask;
-    u32 q_cons, q_issued;
-    int p_it, p_s, p_t;
+    int skipmask;       // benchmark breakdown: stage kinds not executed
 };
 
 __device__ __forceinline__ float fslot(const i64* st, int i) { return __int_as_float((int)st[i]); }
@@ -219,139 +184,41 @@ __device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {
     if (threadIdx.x == 0) {
         while (ld_acquire(ctr) < target) { }
     }
-    __syncthreads();
+    csync();
 }
 // Segment s of a matvec stage: MV_SEG0 + s * SEG_STRIDE + field
 __device__ __forceinline__ const i64* seg(const i64* st, int s) { return st + MV_SEG0 + s * SEG_STRIDE; }
 
-__device__ __forceinline__ int mv_rows_per_tile(const i64* sg, int S) {
-    int rg = NW / S;
-    return sg[SEG_W2] ? rg : 2 * rg;
+#define ATT_SUB 32    // positions per K/V sub-chunk of attention in shared memory (double-buffered)
+
+// How attention splits the positions [start, pos] of a query: nch chunks of csz (the last one
+// shorter), about one tile per block over lanes x kv heads, chunks of >= ATT_SUB (one shared-memory
+// sub-chunk: the fewest dependent steps) and <= 512 positions.
+// Shared by the attention stage and the loader that combines its chunks (IN_ATTN).
+__device__ __forceinline__ void att_chunks(const i64* at, int pos, int& start, int& nch, int& csz) {
+    const int L = (int)at[AT_L], Hkv = (int)at[AT_HKV], W = (int)at[AT_WINDOW];
+    start = W > 0 ? max(0, pos - W + 1) : 0;
+    const int n = pos - start + 1;
+    nch = (n + ATT_SUB - 1) / ATT_SUB;
+    nch = min(nch, max(1, (int)at[AT_TARGET] / (L * Hkv)));
+    nch = max(nch, (n + 511) / 512);
+    nch = min(nch, (int)at[AT_MAXCH]);
+    csz = (n + nch - 1) / nch;
+    nch = (n + csz - 1) / csz;
 }
 
-// Locate tile t (global within the stage): segment index, lane, first row.
-__device__ __forceinline__ void mv_locate(const i64* st, int t, int& s, int& lane, int& row0) {
-    int nseg = (int)st[MV_NSEG];
-    s = 0;
-    while (s + 1 < nseg && t >= (int)seg(st, s + 1)[SEG_TILE0]) ++s;
-    const i64* sg = seg(st, s);
-    int tl = t - (int)sg[SEG_TILE0];
-    int tpl = (int)sg[SEG_TPL];  // tiles per lane
-    lane = tl / tpl;
-    int S = (int)st[MV_S];
-    row0 = (tl % tpl) * mv_rows_per_tile(sg, S);
-}
-
-__device__ void mv_prefetch(const i64* st, int t) {
-    if (t >= (int)st[MV_NTILES]) return;
-    int s, lane, row0;
-    mv_locate(st, t, s, lane, row0);
-    const i64* sg = seg(st, s);
-    int S = (int)st[MV_S];
-    int R = mv_rows_per_tile(sg, S);
-    int N = (int)sg[SEG_N];
-    i64 K = st[MV_K];
-    int rows = min(R, N - row0);
-    const u16* W = (const u16*)sg[SEG_W] + lane * sg[SEG_WL] + (i64)row0 * K;
-    prefetch_l2(W, (u64)rows * K * 2);
-    if (sg[SEG_W2]) {
-        const u16* W2 = (const u16*)sg[SEG_W2] + lane * sg[SEG_WL] + (i64)row0 * K;
-        prefetch_l2(W2, (u64)rows * K * 2);
-    }
-}
-
-// Load the stage input for lane `lane` into sm[0..K): plain buffer, embedding row, optional rmsnorm.
-__device__ void mv_load_input(const Ctx& c, int lane) {
+// Stage input for the embedding mode: block 0 also writes the embedding row (the residual stream).
+__device__ void write_embedding(const Ctx& c) {
     const i64* st = c.st;
-    int K = (int)st[MV_K];
-    int mode = (int)st[MV_IN_MODE];
-    float* x = c.sm;
-    float ss = 0.f;
-    if (mode & IN_EMBED) {
-        const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
-        for (int i = threadIdx.x; i < K; i += NT) { float v = bf2f(tab[i]); x[i] = v; ss = fmaf(v, v, ss); }
-    } else {
-        // K % 8 == 0: one float4 per thread per pass
-        const float* in = (const float*)st[MV_IN] + (i64)lane * K;
-        const int K4 = K >> 2;
-        for (int i = threadIdx.x; i < K4; i += NT) {
-            float4 v = ldcgf4(in + 4 * i);
-            *(float4*)(x + 4 * i) = v;
-            ss = fmaf(v.x, v.x, ss); ss = fmaf(v.y, v.y, ss); ss = fmaf(v.z, v.z, ss); ss = fmaf(v.w, v.w, ss);
-        }
-    }
-    if (mode & IN_NORM) {
-        float tot = block_sum(ss, c.red);  // includes __syncthreads
-        float eps = fslot(st, MV_EPS);
-        float d = sqrtf(tot / (float)K + eps);
-        const u16* w = (const u16*)st[MV_NORM_W] + lane * st[MV_NORM_WL];
-        for (int i = threadIdx.x; i < K; i += NT) x[i] = x[i] / d * bf2f(w[i]);
-    }
-    __syncthreads();
+    if (!((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0)) return;
+    const int K = (int)st[MV_K], L = (int)st[MV_L];
+    const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
+    float* out = (float*)st[MV_EMB_OUT];
+    for (int j = threadIdx.x; j < K * L; j += NT) out[j] = bf2f(tab[j % K]);
 }
 
-
-#if RING || CPASYNC
-extern __shared__ float4 smem4[];
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
-#endif
-#if CPASYNC
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_all_but_newest() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(CP_STAGES - 1) : "memory");
-}
-__device__ __forceinline__ uint4* cp_slot(int stage, int r, int u) {
-    return (uint4*)((unsigned char*)smem4 + CP_OFF) + ((stage * 2 + r) * UNROLL + u) * NT + threadIdx.x;
-}
-// Batch `bat` of this thread's chunks of rows a and b: uint4 indices i0 + (bat*UNROLL + u)*32.
-// Always commits a group (empty past the end) so wait_group counts stay uniform.
-__device__ __forceinline__ void cp_issue(const uint4* Wa, const uint4* Wb, int i0, int ke, int bat, int nbat) {
-    if (bat < nbat) {
-        const int stg = bat % CP_STAGES;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            int idx = i0 + (bat * UNROLL + u) * 32;
-            if (idx < ke) { cp_async16(cp_slot(stg, 0, u), Wa + idx); cp_async16(cp_slot(stg, 1, u), Wb + idx); }
-        }
-    }
-    cp_commit();
-}
-#endif
-#if RING
-__shared__ u64 ring_mbar[RING_SLOTS];
-
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
-    u64 state;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;" : "=l"(state) : "r"(smem_addr(bar)), "r"(bytes) : "memory");
-    (void)state;
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ unsigned char* ring_slot(u32 q) {
-    return (unsigned char*)smem4 + RING_OFF + (q % RING_SLOTS) * SLOT_BYTES;
-}
-
-// Does this matvec stage compute tiles at token iteration `it`? (The consumer's loop and the
-// producer's walk must agree exactly.)
+// Does this matvec stage run at token iteration `it`? (The producer's walk and the consumers'
+// must agree exactly: they count ring slots independently.)
 __device__ __forceinline__ bool mv_runs(const i64* st, int it, const Ctx& c) {
     if ((int)st[S_TYPE] != ST_MATVEC) return false;
     const int flags = (int)st[MV_FLAGS];
@@ -359,238 +226,286 @@ __device__ __forceinline__ bool mv_runs(const i64* st, int it, const Ctx& c) {
     return !((c.skipmask >> ((flags & MVF_LOGITS) ? 5 : 1)) & 1);
 }
 
-// Thread 0: issue bulk copies for the next tiles of this block until RING_SLOTS are in flight
-// (looking at most one token ahead). Tile = R rows of W (and the same rows of W2 for a
-// gate/up pair, at slot offset R*K*2); rows are contiguous in memory, so one copy each.
-__device__ void ring_fill(Ctx& c) {
-    while (c.q_issued - c.q_cons < RING_SLOTS) {
-        const i64* st = c.stages + (i64)c.p_s * NSLOT;
-        while (!(mv_runs(st, c.p_it, c) && c.p_t < (int)st[MV_NTILES])) {
-            c.p_t = blockIdx.x;
-            if (++c.p_s == c.nst) { c.p_s = 0; ++c.p_it; }
-            if (c.p_it > c.it + 1) return;  // far enough ahead (also ends the walk for idle blocks)
-            st = c.stages + (i64)c.p_s * NSLOT;
+// ---------------------------------------------------------------- weight stream (producer warp)
+// The plan of a matvec stage (int32, built by schedule.stream_plan): item ranges per block
+// [nb + 1], first lane [nb], lane count [nb], then items of 8 ints from PLAN_ITEMS(nb) on:
+// segment | lane << 2, offset / 16 in the stage's packed weights (MV_PACKED), first row, rows,
+// k0, klen, flags (IT_FIRST / IT_LAST k-slice), x offset. An item is `rows` rows (pair segments:
+// gate rows then up rows) x klen columns, <= SLOT_BYTES, stored contiguously: one bulk copy.
+#define PLAN_ITEMS(nb) ((3 * (nb) + 4) & ~3)
+#define IT_FIRST 1
+#define IT_LAST 2
+
+extern __shared__ float4 smem4[];
+__shared__ u64 full_bar[NSLOTS], empty_bar[NSLOTS];
+__shared__ int s_done;  // set once by the consumers when the request ends; atomics on both sides
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ bool mbar_try(u64* bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) { while (!mbar_try(bar, parity)) { } }
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ unsigned char* ring_slot(u32 q) {
+    return (unsigned char*)smem4 + RING_OFF + (q % NSLOTS) * SLOT_BYTES;
+}
+
+// One thread: walk this block's items of every matvec stage, token after token, and copy each
+// into the next ring slot once the consumers have released it. Stops when the consumers are done
+// (s_done), after every copy still in flight has landed (a block must not exit with one pending).
+__device__ __noinline__ void produce(const i64* stages, int nst, const Ctx& c) {
+    u32 q = 0;
+    const int nb = gridDim.x;
+    for (int it = 0;; ++it) {
+        for (int s = 0; s < nst; ++s) {
+            if (atomicAdd(&s_done, 0)) goto drain;
+            const i64* st = stages + (i64)s * NSLOT;
+            if (!mv_runs(st, it, c)) continue;
+            const int* plan = (const int*)st[MV_PLAN];
+            const int j1 = plan[blockIdx.x + 1];
+            const int* items = plan + PLAN_ITEMS(nb);
+            const unsigned char* packed = (const unsigned char*)st[MV_PACKED];
+            for (int j = plan[blockIdx.x]; j < j1; ++j) {
+                const int4 h = *(const int4*)(items + 8 * j);      // segment | lane << 2, offset / 16, row0, rows
+                const int klen = items[8 * j + 5];
+                const u32 slot = q % NSLOTS;
+                if (q >= NSLOTS) {
+                    while (!mbar_try(&empty_bar[slot], ((q / NSLOTS) - 1) & 1))
+                        if (atomicAdd(&s_done, 0)) goto drain;
+                }
+                const u32 bytes = (u32)h.w * (u32)klen * (seg(st, h.x & 3)[SEG_W2] ? 4u : 2u);
+                mbar_expect_tx(&full_bar[slot], bytes);
+                bulk_copy(ring_slot(q), packed + (i64)h.y * 16, bytes, &full_bar[slot]);
+                ++q;
+            }
         }
-        int sidx, lane, row0;
-        mv_locate(st, c.p_t, sidx, lane, row0);
-        const i64* sg = seg(st, sidx);
-        const i64 K = st[MV_K];
-        const int R = mv_rows_per_tile(sg, (int)st[MV_S]);
-        const int rows = min(R, (int)sg[SEG_N] - row0);
-        const u32 bytes = (u32)(rows * K * 2);
-        const bool pair = sg[SEG_W2] != 0;
-        unsigned char* dst = ring_slot(c.q_issued);
-        u64* bar = &ring_mbar[c.q_issued % RING_SLOTS];
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads of the slot before async writes
-        mbar_expect_tx(bar, pair ? 2 * bytes : bytes);
-        bulk_copy(dst, (const u16*)sg[SEG_W] + lane * sg[SEG_WL] + row0 * K, bytes, bar);
-        if (pair) bulk_copy(dst + (i64)R * K * 2, (const u16*)sg[SEG_W2] + lane * sg[SEG_WL] + row0 * K, bytes, bar);
-        ++c.q_issued;
-        c.p_t += gridDim.x;
     }
+drain:
+    for (u32 r = q > NSLOTS ? q - NSLOTS : 0; r < q; ++r) mbar_wait(&full_bar[r % NSLOTS], (r / NSLOTS) & 1);
 }
 
-// Thread 0 before the block exits: no bulk copy may still be writing shared memory.
-__device__ void ring_drain(Ctx& c) {
-    for (u32 q = c.q_cons; q != c.q_issued; ++q) mbar_wait(&ring_mbar[q % RING_SLOTS], (q / RING_SLOTS) & 1);
-}
-#endif
+// ---------------------------------------------------------------- matvec (consumer warps)
+// x of each lane the block touches, in shared memory at xs + (lane - first lane) * K, split in
+// halves so that a warp's 16-byte reads are conflict-free: chunk i (x[8i..8i+7]) has its first
+// four values at float4 i of the lower half and the last four at float4 i of the upper half.
+__device__ __forceinline__ int xsplit(int e, int K) { return ((e & 4) ? (K >> 1) : 0) + ((e >> 3) << 2) + (e & 3); }
 
-__device__ __forceinline__ void mv_load_batch(uint4* a, uint4* b, const uint4* Wa, const uint4* Wb, int i, int ke) {
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        int idx = i + u * 32;
-        if (idx < ke) { a[u] = ldw(Wa + idx); b[u] = ldw(Wb + idx); }
-    }
-}
+#define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
 
-// The block's first tile's weights are requested (into registers) BEFORE waiting for the
-// producer stage: HBM streams while the block waits and loads the activation row.
-__device__ __noinline__ void run_matvec(Ctx& c, const u32* wctr, u32 wtarget) {
+// Loads are issued in batches of XV per thread before any is used: a loop of one load per
+// iteration costs a full L2 round trip per iteration (K = 8192: six) on every stage's critical path.
+__device__ void mv_load_x(const Ctx& c, int lane, float* x) {
     const i64* st = c.st;
-    const int ntiles = (int)st[MV_NTILES];
+    const int K = (int)st[MV_K], K4 = K >> 2;
+    const int mode = (int)st[MV_IN_MODE];
+    const float* in = (const float*)st[MV_IN] + (i64)lane * K;
+    const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
+    const u16* nw = (const u16*)st[MV_NORM_W] + lane * st[MV_NORM_WL];
+    const int tid = threadIdx.x;
+    float ss = 0.f;
+    for (int base = 0; base < K4; base += XV * NT) {
+        float4 v[XV];
+#pragma unroll
+        for (int u = 0; u < XV; ++u) {
+            const int i = base + u * NT + tid;
+            if (i < K4) {
+                if (mode & IN_EMBED) {
+                    const uint2 e = *(const uint2*)(tab + 4 * i);
+                    v[u] = make_float4(bf_lo(e.x), bf_hi(e.x), bf_lo(e.y), bf_hi(e.y));
+                } else {
+                    v[u] = __ldcg((const float4*)in + i);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < XV; ++u) {
+            const int i = base + u * NT + tid;  // float4 i = half (i & 1) of chunk i / 2
+            if (i < K4) {
+                *(float4*)(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1)) = v[u];
+                ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
+                ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
+            }
+        }
+    }
+    if (mode & IN_NORM) {
+        const float tot = block_sum(ss, c.red);  // includes the barrier
+        const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));  // x / d * w, as the reference rounds
+        for (int base = 0; base < K4; base += XV * NT) {
+            uint2 w[XV];
+#pragma unroll
+            for (int u = 0; u < XV; ++u) {
+                const int i = base + u * NT + tid;
+                if (i < K4) w[u] = *(const uint2*)(nw + 4 * i);
+            }
+#pragma unroll
+            for (int u = 0; u < XV; ++u) {
+                const int i = base + u * NT + tid;  // this thread stored float4 i above
+                if (i < K4) {
+                    float4* p = (float4*)(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1));
+                    float4 xv = *p;
+                    xv.x = xv.x / d * bf_lo(w[u].x); xv.y = xv.y / d * bf_hi(w[u].x);
+                    xv.z = xv.z / d * bf_lo(w[u].y); xv.w = xv.w / d * bf_hi(w[u].y);
+                    *p = xv;
+                }
+            }
+        }
+    }
+}
+
+// IN_ATTN: x of lane `lane` = the attention output, combined here from the attention's chunk
+// partials (m, l, o): x[h][d] = sum_k exp(m_k - M) o_k[d] / sum_k exp(m_k - M) l_k.
+// wk: H * MAXCH * 2 floats of shared memory for the chunk weights.
+__device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
+    const i64* at = (const i64*)c.st[MV_ATTN];
+    const int K = (int)c.st[MV_K];
+    const int H = (int)at[AT_H], hd = (int)at[AT_HD], MAXCH = (int)at[AT_MAXCH];
+    int start, nch, csz;
+    att_chunks(at, c.pos, start, nch, csz);
+    const float* ml = (const float*)at[AT_PART_ML] + (i64)lane * H * MAXCH * 2;
+    const float* po = (const float*)at[AT_PART_O] + (i64)lane * H * MAXCH * hd;
+    for (int i = threadIdx.x; i < H * nch; i += NT) {
+        const int h = i / nch, k = i - h * nch;
+        wk[2 * i] = ldf(ml + (h * MAXCH + k) * 2);
+        wk[2 * i + 1] = ldf(ml + (h * MAXCH + k) * 2 + 1);
+    }
+    csync();
+    for (int h = threadIdx.x; h < H; h += NT) {
+        float* w = wk + 2 * h * nch;
+        float M = -__int_as_float(0x7f800000);
+        for (int k = 0; k < nch; ++k) M = fmaxf(M, w[2 * k]);
+        float den = 0.f;
+        for (int k = 0; k < nch; ++k) { const float e = expf(w[2 * k] - M); w[2 * k] = e; den = fmaf(e, w[2 * k + 1], den); }
+        const float inv = 1.0f / den;
+        for (int k = 0; k < nch; ++k) w[2 * k] *= inv;
+    }
+    csync();
+    for (int i4 = threadIdx.x; i4 < (K >> 2); i4 += NT) {  // 4 values of one head (hd % 8 == 0)
+        const int i = 4 * i4, h = i / hd, d = i - h * hd;
+        const float* w = wk + 2 * h * nch;
+        const float4* o = (const float4*)(po + (i64)h * MAXCH * hd + d);
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int k = 0; k < nch; ++k) {
+            const float4 v = __ldcg(o + (i64)k * (hd >> 2));
+            const float wk_ = w[2 * k];
+            s.x = fmaf(wk_, v.x, s.x); s.y = fmaf(wk_, v.y, s.y); s.z = fmaf(wk_, v.z, s.z); s.w = fmaf(wk_, v.w, s.w);
+        }
+        *(float4*)(x + ((i & 4) ? (K >> 1) : 0) + 4 * (i >> 3)) = s;
+    }
+}
+
+// Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
+// the item's k-slices in registers (a row group's slices are consecutive items of one block), and
+// writes its outputs after the last slice. Every consumer thread releases every slot (empty barrier: NT arrivals).
+__device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wtarget) {
+    const i64* st = c.st;
+    const int* plan = (const int*)st[MV_PLAN];
+    const int nb = gridDim.x;
+    const int j0 = plan[blockIdx.x], j1 = plan[blockIdx.x + 1];
+    const int lane0 = plan[nb + 1 + blockIdx.x], nl = plan[2 * nb + 1 + blockIdx.x];
+    const int* items = plan + PLAN_ITEMS(nb);
     const int K = (int)st[MV_K];
-    const int S = (int)st[MV_S];
     const int flags = (int)st[MV_FLAGS];
     const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
-    const int rg = warp / S, ks = warp % S;
-    const int nv = K >> 3;
-    const int kb = (int)((i64)nv * ks / S), ke = (int)((i64)nv * (ks + 1) / S);
-    float* x = c.sm;
-    float* part = c.sm + K + 16;  // [NW][2] partial sums when S > 1
+    float* xs = c.sm;
     __shared__ float s_best[NW];
     __shared__ int s_bidx[NW];
-    bool waited = false;
-    const bool skip = (flags & MVF_SKIP_PROMPT) && !c.logits_mode && c.it < c.P - 1;
 
-    int cur_lane = -1;
-    for (int t = skip ? ntiles : blockIdx.x; t < ntiles; t += gridDim.x) {
-        int s, lane, row0;
-        mv_locate(st, t, s, lane, row0);
-        const i64* sg = seg(st, s);
-        const int N = (int)sg[SEG_N];
-        const bool swi = sg[SEG_W2] != 0;
-        int ra, rb;  // the two weight rows this warp streams
-        const uint4 *Wa, *Wb;
-        const u16* Wbase = (const u16*)sg[SEG_W] + lane * sg[SEG_WL];
-        if (swi) {
-            ra = row0 + rg;
-            int rr = min(ra, N - 1);
-            Wa = (const uint4*)(Wbase + (i64)rr * K);
-            Wb = (const uint4*)((const u16*)sg[SEG_W2] + lane * sg[SEG_WL] + (i64)rr * K);
-            rb = ra;
+    wait_counter(wctr, wtarget);
+    write_embedding(c);
+    for (int l = 0; l < nl; ++l) {
+        if (st[MV_IN_MODE] & IN_ATTN) {
+            mv_load_attn(c, lane0 + l, xs + l * K, xs + nl * K);
+            csync();  // the chunk weights are reused by the next lane
         } else {
-            ra = row0 + 2 * rg;
-            rb = ra + 1;
-            Wa = (const uint4*)(Wbase + (i64)min(ra, N - 1) * K);
-            Wb = (const uint4*)(Wbase + (i64)min(rb, N - 1) * K);
+            mv_load_x(c, lane0 + l, xs + l * K);
         }
-        const bool active = ra < N;
-#if RING
-        {   // this tile's weights sit in ring slot q_cons: rows of W (and of W2) back to back
-            const int R = mv_rows_per_tile(sg, S);
-            const uint4* slot = (const uint4*)ring_slot(c.q_cons);
-            const int ra_l = ra - row0;
-            Wa = slot + (i64)ra_l * (K >> 3);
-            Wb = swi ? slot + (i64)(R + ra_l) * (K >> 3) : slot + (i64)(ra_l + 1) * (K >> 3);
-        }
-#elif !CPASYNC
-        uint4 a[UNROLL], b[UNROLL];
-#endif
-        int i = kb + ln;
-#if CPASYNC
-        const int nbat = active && i < ke ? (ke - i + 32 * UNROLL - 1) / (32 * UNROLL) : 0;
-        for (int bat = 0; bat < CP_STAGES - 1; ++bat) cp_issue(Wa, Wb, i, ke, bat, nbat);  // before any wait
-#elif PRELOAD && !RING
-        if (active) mv_load_batch(a, b, Wa, Wb, i, ke);
-#endif
-        if (!waited) {
-            wait_counter(wctr, wtarget);
-            waited = true;
-            if ((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0) {
-                int L = (int)st[MV_L];
-                const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
-                float* out = (float*)st[MV_EMB_OUT];
-                for (int j = tid; j < K * L; j += NT) out[j] = bf2f(tab[j % K]);
-            }
-        }
-#if !RING
-        if (tid == 0) mv_prefetch(st, t + gridDim.x);
-#endif
-        if (lane != cur_lane) {
-            __syncthreads();
-            mv_load_input(c, lane);
-            cur_lane = lane;
-        }
-#if !PRELOAD && !RING && !CPASYNC
-        if (active) mv_load_batch(a, b, Wa, Wb, i, ke);
-#endif
-        float acc0 = 0.f, acc1 = 0.f;
-#if CPASYNC
-        for (int bat = 0; bat < nbat; ++bat) {
-            cp_issue(Wa, Wb, i, ke, bat + CP_STAGES - 1, nbat);
-            cp_wait_all_but_newest();  // this thread's batch `bat` has landed (only it reads it)
-            const int stg = bat % CP_STAGES;
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                int idx = i + (bat * UNROLL + u) * 32;
-                if (idx < ke) {
-                    acc0 = dot8(*cp_slot(stg, 0, u), x + idx * 8, acc0);
-                    acc1 = dot8(*cp_slot(stg, 1, u), x + idx * 8, acc1);
-                }
-            }
-        }
-        asm volatile("cp.async.wait_all;" ::: "memory");  // nothing in flight into slots past the tile
-#elif RING
-        mbar_wait(&ring_mbar[c.q_cons % RING_SLOTS], (c.q_cons / RING_SLOTS) & 1);
-        if (active) {
-            // rows b past N (last tile) hold stale bytes: computed, never stored
+    }
+    csync();
+
+    float best = -__int_as_float(0x7f800000);
+    int bidx = 0x7fffffff;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int j = j0; j < j1; ++j, ++q) {
+        const int4 h = *(const int4*)(items + 8 * j);      // segment | lane << 2, offset / 16, row0, rows
+        const int4 g = *(const int4*)(items + 8 * j + 4);  // k0, klen, flags, xoff
+        const i64* sg = seg(st, h.x & 3);
+        const bool pair = sg[SEG_W2] != 0;
+        const int ra = pair ? warp : 2 * warp;            // row indices within the item
+        const int rb = pair ? h.w + warp : ra + 1;
+        const bool va = (pair ? warp : ra) < h.w, vb = pair ? va : rb < h.w;
+        if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; }
+        const u32 slot = q % NSLOTS;
+        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
+        if (va) {
+            const int n8 = g.y >> 3;
+            const uint4* wa = (const uint4*)ring_slot(q) + ra * n8;
+            const uint4* wb = vb ? (const uint4*)ring_slot(q) + rb * n8 : wa;
+            const float4* xl = (const float4*)(xs + g.w) + (g.x >> 3);
+            const float4* xh = (const float4*)(xs + g.w + (K >> 1)) + (g.x >> 3);
 #pragma unroll 4
-            for (; i < ke; i += 32) {
-                const float* xv = x + i * 8;
-                acc0 = dot8(Wa[i], xv, acc0);
-                acc1 = dot8(Wb[i], xv, acc1);
+            for (int i = ln; i < n8; i += 32) {
+                const uint4 a = wa[i], b = wb[i];
+                const float4 lo = xl[i], hi = xh[i];
+                acc0 = dot8s(a, lo, hi, acc0);
+                acc1 = dot8s(b, lo, hi, acc1);
             }
         }
-#else
-        if (active) {
-            while (true) {
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    int idx = i + u * 32;
-                    if (idx < ke) {
-                        acc0 = dot8(a[u], x + idx * 8, acc0);
-                        acc1 = dot8(b[u], x + idx * 8, acc1);
-                    }
-                }
-                i += 32 * UNROLL;
-                if (i >= ke) break;
-                mv_load_batch(a, b, Wa, Wb, i, ke);
-            }
-        }
-#endif
+        // every consumer thread releases the slot itself: an arrive orders only its own thread's
+        // reads before the next bulk copy into the slot (a warp-level sync + one arrive does not)
+        mbar_arrive(&empty_bar[slot]);
+        if (!(g.z & IT_LAST)) continue;
         acc0 = warp_sum(acc0);
         acc1 = warp_sum(acc1);
-        if (S > 1) {
-            if (ln == 0) { part[warp * 2] = acc0; part[warp * 2 + 1] = acc1; }
-            __syncthreads();
-            if (ks == 0 && ln == 0) {
-                float s0 = 0.f, s1 = 0.f;
-                for (int j = 0; j < S; ++j) { s0 += part[(warp + j) * 2]; s1 += part[(warp + j) * 2 + 1]; }
-                acc0 = s0; acc1 = s1;
-            }
+        if (ln != 0 || !va) continue;
+        const int lane = h.x >> 2;
+        float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
+        if ((flags & MVF_LOGITS) && c.logits_mode)
+            out = (float*)c.run[R_LOGITS_ALL] + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
+        if (pair) {
+            out[h.z + warp] = acc0 / (1.0f + expf(-acc0)) * acc1;
+            continue;
         }
-        // epilogue: lane 0 of the first warp of each row group
-        float best = -__int_as_float(0x7f800000);
-        int bidx = 0x7fffffff;
-        if (ks == 0 && ln == 0 && ra < N) {
-            float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
-            if ((flags & MVF_LOGITS) && c.logits_mode)
-                out = (float*)c.run[R_LOGITS_ALL] + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
-            const u16* bias = (const u16*)sg[SEG_BIAS];
-            const float* res = (const float*)sg[SEG_RES];
-            if (swi) {
-                float g = acc0, u = acc1;
-                out[ra] = g / (1.0f + expf(-g)) * u;
-            } else {
-                float y0 = acc0, y1 = acc1;
-                if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; y0 += bf2f(bb[ra]); if (rb < N) y1 += bf2f(bb[rb]); }
-                if (res) { const float* rr = res + lane * sg[SEG_RESL]; y0 += ldf(rr + ra); if (rb < N) y1 += ldf(rr + rb); }
-                out[ra] = y0;
-                if (rb < N) out[rb] = y1;
-                if (flags & MVF_ARGMAX) {
-                    if (y0 == y0) { best = y0; bidx = ra; }
-                    if (rb < N && y1 > best) { best = y1; bidx = rb; }
-                }
-            }
+        const int r0 = h.z + ra, r1 = h.z + rb;
+        float y0 = acc0, y1 = acc1;
+        const u16* bias = (const u16*)sg[SEG_BIAS];
+        const float* res = (const float*)sg[SEG_RES];
+        if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; y0 += bf2f(bb[r0]); if (vb) y1 += bf2f(bb[r1]); }
+        if (res) { const float* rr = res + lane * sg[SEG_RESL]; y0 += ldf(rr + r0); if (vb) y1 += ldf(rr + r1); }
+        out[r0] = y0;
+        if (vb) out[r1] = y1;
+        if (flags & MVF_ARGMAX) {  // NaN never wins; ties go to the lower index
+            if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
+            if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
         }
-        if (flags & MVF_ARGMAX) {
-            if (ln == 0) { s_best[warp] = best; s_bidx[warp] = bidx; }
-            __syncthreads();
-            if (tid == 0) {
-                float b = s_best[0]; int bi = s_bidx[0];
-                for (int j = 1; j < NW; ++j)
-                    if (s_best[j] > b || (s_best[j] == b && s_bidx[j] < bi)) { b = s_best[j]; bi = s_bidx[j]; }
-                ((float*)st[MV_ARGMAX])[t] = b;
-                ((int*)st[MV_ARGMAX])[ntiles + t] = bi;
-            }
-        }
-        __syncthreads();
-#if RING
-        ++c.q_cons;                  // every thread keeps the same count
-        if (tid == 0) ring_fill(c);  // the slot just read takes a tile RING_SLOTS ahead
-#endif
     }
-    if (!waited) {
-        wait_counter(wctr, wtarget);
-        if ((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0) {
-            int L = (int)st[MV_L];
-            const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
-            float* out = (float*)st[MV_EMB_OUT];
-            for (int j = tid; j < K * L; j += NT) out[j] = bf2f(tab[j % K]);
+    if (flags & MVF_ARGMAX) {  // one (max, index) partial per block
+        if (ln == 0) { s_best[warp] = best; s_bidx[warp] = bidx; }
+        csync();
+        if (tid == 0) {
+            float b = s_best[0]; int bi = s_bidx[0];
+            for (int w = 1; w < NW; ++w)
+                if (s_best[w] > b || (s_best[w] == b && s_bidx[w] < bi)) { b = s_best[w]; bi = s_bidx[w]; }
+            ((float*)st[MV_ARGMAX])[blockIdx.x] = b;
+            ((int*)st[MV_ARGMAX])[nb + blockIdx.x] = bi;
         }
     }
 }
+
 
 // ------------------------------------------------------------------------------ attention
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that
@@ -611,58 +526,101 @@ __device__ void rope_vec(float* v, int hd, int style, const float* cosr, const f
     }
 }
 
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    u32 d = smem_addr(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Positions [a, b) of one kv head's K and V rows -> shared memory rows of RS bf16 (hd + 8: the
+// pad keeps a warp's 16-byte reads of two rows on different banks); row `skip` (the new
+// position, written by this tile, not yet in the cache) is left out. Always commits a group.
+__device__ __forceinline__ void att_issue(u16* Kb, u16* Vb, const u16* kc, const u16* vc, int a, int b, int skip,
+                                          int hd, int RS) {
+    const int nd8 = hd >> 3;
+    const int n = (b - a) * nd8;
+    for (int i = threadIdx.x; i < n; i += NT) {
+        int r = i / nd8, c8 = i - r * nd8;
+        int p = a + r;
+        if (p == skip) continue;
+        cp_async16(Kb + r * RS + c8 * 8, kc + (i64)p * hd + c8 * 8);
+        cp_async16(Vb + r * RS + c8 * 8, vc + (i64)p * hd + c8 * 8);
+    }
+    cp_commit();
+}
+
+// Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that the
+// tiles roughly fill the grid. A tile streams its chunk's K/V through shared memory in
+// sub-chunks of ATT_SUB positions (cp.async, two in flight), with a running (online) softmax per
+// query head; partial (m, l, o) go to a scratch buffer and the last tile of a (lane, kv head) to
+// finish (atomic ticket) combines them. The chunk holding `pos` also applies RoPE to the new key
+// and writes the new K/V (bf16) into the cache.
 __device__ __noinline__ void run_attention(Ctx& c) {
     const i64* st = c.st;
     const int L = (int)st[AT_L], H = (int)st[AT_H], Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD];
-    const int T = (int)st[AT_T], W = (int)st[AT_WINDOW], MAXCH = (int)st[AT_MAXCH];
+    const int T = (int)st[AT_T], MAXCH = (int)st[AT_MAXCH];
     const int G = H / Hkv;
     const float scale = fslot(st, AT_SCALE);
     const int pos = c.pos;
-    const int start = W > 0 ? max(0, pos - W + 1) : 0;
-    const int n = pos - start + 1;
-    int nch = (n + 63) / 64;
-    int want = max(1, (int)st[AT_TARGET] / (L * Hkv));
-    nch = min(nch, want);
-    nch = max(nch, (n + 511) / 512);
-    nch = min(nch, MAXCH);
-    const int csz = (n + nch - 1) / nch;
-    nch = (n + csz - 1) / csz;
+    int start, nch, csz;
+    att_chunks(st, pos, start, nch, csz);
     const int ntiles = L * Hkv * nch;
     const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
-    const int nd8 = hd / 8;
-    const int ntg = NT / nd8;
-    // shared layout
-    float* q = c.sm;                       // [G][hd]
-    float* kn = q + 8 * 256;               // [hd] new key (roped, bf16-rounded)
-    float* vn = kn + 256;                  // [hd]
-    float* sc = vn + 256;                  // [G][512] scores / probabilities
-    float* red = sc + 8 * 512;             // [ntg][G][hd] output partials
-    __shared__ float s_m[8], s_l[8];
+    const int nd8 = hd >> 3, RS = hd + 8;
+    const bool combine = st[AT_NOCOMBINE] == 0;  // else the next matvec's loader combines the chunks
+    const int GH = G * hd;
+    // score mapping: lpr lanes per K row (power of two >= nd8), rpw rows per warp
+    int lpr = 1;
+    while (lpr < nd8) lpr <<= 1;
+    const int rpw = 32 / lpr, sr = ln / lpr, sc8 = ln % lpr;
+    // P.V mapping: thread = (group, head, 8 columns); NSPLIT groups split the positions
+    const int ncol = G * nd8, nsplit = NT / ncol;
+    // shared layout (schedule._attn_stage sizes it)
+    float* q = c.sm;                       // [G][hd] queries, rotated
+    float* kn = q + GH;                    // [hd] new key (rotated, bf16-rounded)
+    float* vn = kn + hd;                   // [hd] new value (bf16-rounded)
+    float* ob = vn + hd;                   // [G][hd] running output
+    float* sc = ob + GH;                   // [G][ATT_SUB] scores -> probabilities
+    float* red = sc + G * ATT_SUB;         // [nsplit][G][hd] P.V partials (NT * 8 floats); chunk (m, l) at combine
+    u16* kvb = (u16*)(red + NT * 8);       // [2 buffers][K, V][ATT_SUB][RS] bf16
+    __shared__ float s_m[8], s_l[8], s_a[8];
     __shared__ int s_last;
     const float* costab = (const float*)st[AT_COS];
     const float* sintab = (const float*)st[AT_SIN];
     const int ropeq = (int)st[AT_ROPE_Q], ropek = (int)st[AT_ROPE_K];
     const bool fused = st[AT_KNEW] != 0;
+    float* partO = (float*)st[AT_PART_O];
+    float* partML = (float*)st[AT_PART_ML];
 
     for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        int ch = t % nch, g = (t / nch) % Hkv, l = t / (nch * Hkv);
-        int p0 = start + ch * csz, p1 = min(p0 + csz, pos + 1);
-        int cnt = p1 - p0;
-        // queries of this kv head's group, rotated
-        const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * G * hd;
-        for (int i = tid; i < G * hd; i += NT) q[i] = ldf(qsrc + i);
-        bool own = fused && p1 == pos + 1;
+        const int ch = t % nch, g = (t / nch) % Hkv, l = t / (nch * Hkv);
+        const int p0 = start + ch * csz, p1 = min(p0 + csz, pos + 1);
+        const int nsub = (p1 - p0 + ATT_SUB - 1) / ATT_SUB;
+        const bool own = fused && p1 == pos + 1;
+        const int skip = own ? pos : -1;
+        u16* kc = (u16*)st[AT_KC] + ((i64)(l * Hkv + g) * T) * hd;
+        u16* vc = (u16*)st[AT_VC] + ((i64)(l * Hkv + g) * T) * hd;
+        // the cache rows first (they depend on nothing in this token), two sub-chunks in flight
+        for (int s = 0; s < 2; ++s) {
+            u16* Kb = kvb + (s * 2) * ATT_SUB * RS;
+            if (s < nsub) att_issue(Kb, Kb + ATT_SUB * RS, kc, vc, p0 + s * ATT_SUB, min(p0 + (s + 1) * ATT_SUB, p1), skip, hd, RS);
+            else cp_commit();
+        }
+        // queries of this kv head's group, new key / value
+        const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * GH;
+        for (int i = tid; i < GH; i += NT) { q[i] = ldf(qsrc + i); ob[i] = 0.f; }
         if (own) {
             const float* ks = (const float*)st[AT_KNEW] + (i64)l * Hkv * hd + (i64)g * hd;
             const float* vs = (const float*)st[AT_VNEW] + (i64)l * Hkv * hd + (i64)g * hd;
             for (int i = tid; i < hd; i += NT) { kn[i] = ldf(ks + i); vn[i] = rbf(ldf(vs + i)); }
         }
-        __syncthreads();
+        if (tid < 8) { s_m[tid] = -__int_as_float(0x7f800000); s_l[tid] = 0.f; }
+        csync();
         if (ropeq && warp < G) rope_vec(q + warp * hd, hd, ropeq, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
         if (own && ropek && warp == NW - 1) rope_vec(kn, hd, ropek, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
-        __syncthreads();
-        u16* kc = (u16*)st[AT_KC] + ((i64)(l * Hkv + g) * T) * hd;
-        u16* vc = (u16*)st[AT_VC] + ((i64)(l * Hkv + g) * T) * hd;
+        csync();
         if (own) {
             for (int i = tid; i < hd; i += NT) {
                 u16 kb = f2bf(kn[i]);
@@ -670,99 +628,88 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 kc[(i64)pos * hd + i] = kb;
                 vc[(i64)pos * hd + i] = f2bf(vn[i]);
             }
-            __syncthreads();
         }
-        // scores
-        for (int j = tid; j < cnt; j += NT) {
-            int p = p0 + j;
-            float acc[8];
-#pragma unroll
-            for (int gi = 0; gi < 8; ++gi) acc[gi] = 0.f;
-            {
-                // position pos was written to the cache above by this very block (ordered by the barrier)
-                const uint4* kr = (const uint4*)(kc + (i64)p * hd);
-                for (int d0 = 0; d0 < nd8; d0 += 8) {
-                    uint4 w[8];
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) if (d0 + u < nd8) w[u] = ldcg4(kr + d0 + u);
-#pragma unroll
-                    for (int u = 0; u < 8; ++u)
-                        if (d0 + u < nd8)
-#pragma unroll
-                            for (int gi = 0; gi < 8; ++gi) if (gi < G) acc[gi] = dot8(w[u], q + gi * hd + (d0 + u) * 8, acc[gi]);
+        for (int s = 0; s < nsub; ++s) {
+            const int a = p0 + s * ATT_SUB, cnt = min(ATT_SUB, p1 - a);
+            u16* Kb = kvb + ((s & 1) * 2) * ATT_SUB * RS;
+            u16* Vb = Kb + ATT_SUB * RS;
+            cp_wait_1();  // this thread's copies of sub-chunk s have landed
+            if (own && pos >= a && pos < a + cnt)
+                for (int i = tid; i < hd; i += NT) { Kb[(pos - a) * RS + i] = f2bf(kn[i]); Vb[(pos - a) * RS + i] = f2bf(vn[i]); }
+            csync();
+            // scores: lpr lanes per K row, reduced by shuffles within the row's lanes
+            for (int gi = 0; gi < G; ++gi) {
+                float4 qa = make_float4(0.f, 0.f, 0.f, 0.f), qb = qa;
+                if (sc8 < nd8) { qa = *(const float4*)(q + gi * hd + sc8 * 8); qb = *(const float4*)(q + gi * hd + sc8 * 8 + 4); }
+                for (int j0 = warp * rpw; j0 < cnt; j0 += NW * rpw) {
+                    const int j = j0 + sr;
+                    float d = 0.f;
+                    if (j < cnt && sc8 < nd8) d = dot8s(*(const uint4*)(Kb + j * RS + sc8 * 8), qa, qb, 0.f);
+                    for (int o = lpr >> 1; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                    if (j < cnt && sc8 == 0) sc[gi * ATT_SUB + j] = d * scale;
                 }
             }
-#pragma unroll
-            for (int gi = 0; gi < 8; ++gi) if (gi < G) sc[gi * 512 + j] = acc[gi] * scale;
-        }
-        __syncthreads();
-        // softmax pieces per head (one warp per head)
-        if (warp < G) {
-            float m = -__int_as_float(0x7f800000);
-            for (int j = ln; j < cnt; j += 32) m = fmaxf(m, sc[warp * 512 + j]);
-            m = warp_max(m);
-            float s = 0.f;
-            for (int j = ln; j < cnt; j += 32) { float e = expf(sc[warp * 512 + j] - m); sc[warp * 512 + j] = e; s += e; }
-            s = warp_sum(s);
-            if (ln == 0) { s_m[warp] = m; s_l[warp] = s; }
-        }
-        __syncthreads();
-        // o[g][d] = sum_j p[g][j] * v[j][d], two query heads at a time
-        {
-            int d8 = tid % nd8, tg = tid / nd8;
-            for (int gb = 0; gb < G; gb += 2) {
-                float acc[2][8];
-#pragma unroll
-                for (int gi = 0; gi < 2; ++gi)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[gi][e] = 0.f;
-                if (tg < ntg) {
-                    for (int j = tg; j < cnt; j += ntg) {
-                        int p = p0 + j;
-                        float vv[8];
-                        {
-                            uint4 w = ldcg4((const uint4*)(vc + (i64)p * hd) + d8);
-                            vv[0] = bf_lo(w.x); vv[1] = bf_hi(w.x); vv[2] = bf_lo(w.y); vv[3] = bf_hi(w.y);
-                            vv[4] = bf_lo(w.z); vv[5] = bf_hi(w.z); vv[6] = bf_lo(w.w); vv[7] = bf_hi(w.w);
-                        }
-#pragma unroll
-                        for (int gi = 0; gi < 2; ++gi) {
-                            if (gb + gi < G) {
-                                float pr = sc[(gb + gi) * 512 + j];
-#pragma unroll
-                                for (int e = 0; e < 8; ++e) acc[gi][e] = fmaf(pr, vv[e], acc[gi][e]);
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int gi = 0; gi < 2; ++gi)
-                        if (gb + gi < G)
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) red[((i64)tg * G + gb + gi) * hd + d8 * 8 + e] = acc[gi][e];
+            csync();
+            // running softmax, one warp per query head
+            if (warp < G) {
+                float v = ln < cnt ? sc[warp * ATT_SUB + ln] : -__int_as_float(0x7f800000);  // ATT_SUB == 32
+                const float mo = s_m[warp];
+                const float mn = fmaxf(mo, warp_max(v));
+                const float e = ln < cnt ? expf(v - mn) : 0.f;
+                if (ln < cnt) sc[warp * ATT_SUB + ln] = e;
+                const float sum = warp_sum(e);
+                __syncwarp();  // every lane has read s_m[warp] before lane 0 replaces it
+                if (ln == 0) {
+                    const float al = expf(mo - mn);  // 0 on the first sub-chunk (mo = -inf)
+                    s_a[warp] = al;
+                    s_l[warp] = s_l[warp] * al + sum;
+                    s_m[warp] = mn;
                 }
             }
+            csync();
+            // P.V partials
+            if (tid < nsplit * ncol) {
+                const int grp = tid / ncol, col = tid - grp * ncol, gi = col / nd8, d8 = col - gi * nd8;
+                float acc[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+                for (int j = grp; j < cnt; j += nsplit) {
+                    const float pr = sc[gi * ATT_SUB + j];
+                    const uint4 w = *(const uint4*)(Vb + j * RS + d8 * 8);
+                    acc[0] = fmaf(pr, bf_lo(w.x), acc[0]); acc[1] = fmaf(pr, bf_hi(w.x), acc[1]);
+                    acc[2] = fmaf(pr, bf_lo(w.y), acc[2]); acc[3] = fmaf(pr, bf_hi(w.y), acc[3]);
+                    acc[4] = fmaf(pr, bf_lo(w.z), acc[4]); acc[5] = fmaf(pr, bf_hi(w.z), acc[5]);
+                    acc[6] = fmaf(pr, bf_lo(w.w), acc[6]); acc[7] = fmaf(pr, bf_hi(w.w), acc[7]);
+                }
+                float* rd = red + grp * GH + gi * hd + d8 * 8;
+                *(float4*)rd = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                *(float4*)(rd + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            }
+            csync();
+            for (int i = tid; i < GH; i += NT) {
+                float o = 0.f;
+                for (int k = 0; k < nsplit; ++k) o += red[k * GH + i];
+                ob[i] = ob[i] * s_a[i / hd] + o;
+            }
+            csync();  // buffer (s & 1) and red are free again
+            if (s + 2 < nsub) att_issue(Kb, Vb, kc, vc, a + 2 * ATT_SUB, min(a + 3 * ATT_SUB, p1), skip, hd, RS);
+            else cp_commit();
         }
-        __syncthreads();
-        const int nout = G * hd;
-        float* partO = (float*)st[AT_PART_O];
-        float* partML = (float*)st[AT_PART_ML];
-        for (int i = tid; i < nout; i += NT) {
-            int gi = i / hd, d = i % hd;
-            float o = 0.f;
-            for (int k = 0; k < ntg; ++k) o += red[((i64)k * G + gi) * hd + d];
-            int h = g * G + gi;
-            if (nch == 1) {
-                ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = o / s_l[gi];
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        for (int i = tid; i < GH; i += NT) {
+            const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
+            if (nch == 1 && combine) {
+                ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = ob[i] / s_l[gi];
             } else {
-                partO[(((i64)l * H + h) * MAXCH + ch) * hd + d] = o;
+                partO[(((i64)l * H + h) * MAXCH + ch) * hd + d] = ob[i];
                 if (d == 0) {
                     partML[(((i64)l * H + h) * MAXCH + ch) * 2] = s_m[gi];
                     partML[(((i64)l * H + h) * MAXCH + ch) * 2 + 1] = s_l[gi];
                 }
             }
         }
-        if (nch > 1) {
-            __syncthreads();
+        if (nch > 1 && combine) {
+            csync();
             u32* ticket = (u32*)st[AT_TICKET] + l * Hkv + g;
             if (tid == 0) {
                 __threadfence();
@@ -770,20 +717,21 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 s_last = (k == (u32)nch - 1);
                 if (s_last) { *ticket = 0u; __threadfence(); }
             }
-            __syncthreads();
+            csync();
             if (s_last) {
-                // (m, l) of every chunk into shared memory in parallel (sc is free now), then combine
+                // (m, l) of every chunk into shared memory in parallel (red is free now), then combine
+                float* mls = red;
                 for (int i = tid; i < G * nch; i += NT) {
                     int gi = i / nch, k = i % nch;
                     const float* ml = partML + (((i64)l * H + g * G + gi) * MAXCH + k) * 2;
-                    sc[i * 2] = ldf(ml);
-                    sc[i * 2 + 1] = ldf(ml + 1);
+                    mls[i * 2] = ldf(ml);
+                    mls[i * 2 + 1] = ldf(ml + 1);
                 }
-                __syncthreads();
-                for (int i = tid; i < nout; i += NT) {
+                csync();
+                for (int i = tid; i < GH; i += NT) {
                     int gi = i / hd, d = i % hd;
                     int h = g * G + gi;
-                    const float* ml = sc + gi * nch * 2;
+                    const float* ml = mls + gi * nch * 2;
                     float M = -__int_as_float(0x7f800000);
                     for (int k = 0; k < nch; ++k) M = fmaxf(M, ml[2 * k]);
                     float num = 0.f, den = 0.f;
@@ -797,7 +745,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 }
             }
         }
-        __syncthreads();
+        csync();
     }
 }
 
@@ -963,17 +911,28 @@ __device__ __noinline__ void run_sample(Ctx& c) {
     u32 cancel = 0;
     if (tid == 0 && run[R_CANCEL]) cancel = ld_sys((const volatile u32*)run[R_CANCEL]);
     if (temp <= 0.f) {
-        if (st[SM_ARGMAX]) {
+        if (st[SM_ARGMAX]) {  // the LM head's (max, index) partials, one per block: one load each, then a tree
+            const int nt = (int)st[SM_NPART];
+            const float* bv = (const float*)st[SM_ARGMAX];
+            const int* bi = (const int*)st[SM_ARGMAX] + nt;
+            __shared__ float w_bv[NW]; __shared__ int w_bi[NW];
+            float b = -__int_as_float(0x7f800000); int idx = 0x7fffffff;
+            for (int j = tid; j < nt; j += NT) {
+                const float v = ldf(bv + j);
+                const int ixx = __float_as_int(ldf((const float*)(bi + j)));
+                if (v > b || (v == b && ixx < idx)) { b = v; idx = ixx; }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, b, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+                if (ov > b || (ov == b && oi < idx)) { b = ov; idx = oi; }
+            }
+            if ((tid & 31) == 0) { w_bv[tid >> 5] = b; w_bi[tid >> 5] = idx; }
+            csync();
             if (tid == 0) {
-                int nt = (int)st[SM_NPART];
-                const float* bv = (const float*)st[SM_ARGMAX];
-                const int* bi = (const int*)st[SM_ARGMAX] + nt;
-                float b = -__int_as_float(0x7f800000); int idx = 0x7fffffff;
-                for (int j = 0; j < nt; ++j) {
-                    float v = ldf(bv + j);
-                    int ixx = __float_as_int(ldf((const float*)(bi + j)));
-                    if (v > b || (v == b && ixx < idx)) { b = v; idx = ixx; }
-                }
+                for (int w = 1; w < NW; ++w)
+                    if (w_bv[w] > b || (w_bv[w] == b && w_bi[w] < idx)) { b = w_bv[w]; idx = w_bi[w]; }
                 s_tok = idx == 0x7fffffff ? 0 : idx;
             }
         } else {
@@ -981,13 +940,13 @@ __device__ __noinline__ void run_sample(Ctx& c) {
             float b = -__int_as_float(0x7f800000); int idx = 0x7fffffff;
             for (int i = tid; i < V; i += NT) { float v = ldf(logits + i); if (v > b) { b = v; idx = i; } }
             s_bv[tid] = b; s_bi[tid] = idx;
-            __syncthreads();
+            csync();
             if (tid == 0) {
                 for (int j = 1; j < NT; ++j) if (s_bv[j] > b || (s_bv[j] == b && s_bi[j] < idx)) { b = s_bv[j]; idx = s_bi[j]; }
                 s_tok = idx == 0x7fffffff ? 0 : idx;
             }
         }
-        __syncthreads();
+        csync();
     } else {
         float* z = (float*)run[R_SCRATCH];
         float* p = z + V;
@@ -996,7 +955,7 @@ __device__ __noinline__ void run_sample(Ctx& c) {
         for (int i = tid; i < V; i += NT) { float v = __fdiv_rn(ldf(logits + i), temp); z[i] = v; zm = fmaxf(zm, v); }
         zm = block_max(zm, red);
         for (int i = tid; i < V; i += NT) p[i] = expf(z[i] - zm);
-        __syncthreads();
+        csync();
         int topk = (int)run[R_TOPK];
         u64 cmin = 0;
         if (topk > 0 && topk < V) cmin = sample_search(z, p, V, 0, (u32)topk, 0.f, 0, 0, ~0ull, red);
@@ -1014,7 +973,7 @@ __device__ __noinline__ void run_sample(Ctx& c) {
         u64 ce = sample_search(z, p, V, 2, 0, tu, ckeep, ckeep, ~0ull, red);
         // ce is the comb of the chosen element (or ckeep: the last kept one)
         if (tid == 0) s_tok = (int)(0xffffffffu - (u32)(ce & 0xffffffffu));
-        __syncthreads();
+        csync();
     }
     if (tid == 0) {
         int tok = s_tok;
@@ -1035,16 +994,13 @@ __device__ __noinline__ void run_sample(Ctx& c) {
         run[R_TOK] = tok;
         run[R_STOP] = stop;
     }
-    __syncthreads();
+    csync();
 }
 
 // ------------------------------------------------------------------------------ kernel
 
-extern "C" __global__ void __launch_bounds__(NT, 1)
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
-#if !RING && !CPASYNC
-    extern __shared__ float4 smem4[];
-#endif
     __shared__ float red[NW + 2];
     Ctx c;
     c.run = run;
@@ -1054,60 +1010,44 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     c.nb = gridDim.x;
     c.P = (int)run[R_PROMPT_LEN];
     c.logits_mode = (int)run[R_LOGITS_MODE];
-    c.stages = stages;
-    c.nst = nst;
-    c.q_cons = c.q_issued = 0;
-    c.p_it = 0; c.p_s = 0; c.p_t = blockIdx.x;
+    c.skipmask = (int)run[R_SKIP];
     c.it = 0;
     const int start_pos = (int)run[R_START_POS];
     const int* prompt = (const int*)run[R_PROMPT];
     const u32 nb = gridDim.x;
-    const int skipmask = (int)run[R_SKIP];  // benchmark breakdown only: stage kinds not executed
-    c.skipmask = skipmask;
-#if RING
     if (threadIdx.x == 0) {
-        for (int i = 0; i < RING_SLOTS; ++i) mbar_init(&ring_mbar[i], 1);
+        for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], NT); }
+        s_done = 0;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
-    if (threadIdx.x == 0) ring_fill(c);
-#endif
+    __syncthreads();  // the last barrier of all NTHREADS: from here on the producer warp goes its own way
+    if (threadIdx.x >= NT) {
+        if (threadIdx.x == NT) produce(stages, nst, c);
+        return;
+    }
+    u32 q = 0;  // ring items consumed (the same count in every consumer thread)
     for (int it = 0;; ++it) {
         c.it = it;
         c.pos = start_pos + it;
-#if RING
-        if (threadIdx.x == 0) ring_fill(c);  // an idle producer resumes one token ahead
-#endif
         for (int s = 0; s < nst; ++s) {
             const i64* st = stages + (i64)s * NSLOT;
             c.st = st;
             const int type = (int)st[S_TYPE];
-#if !RING
-            if (type == ST_MATVEC && threadIdx.x == 0) {
-                bool skip = ((int)st[MV_FLAGS] & MVF_SKIP_PROMPT) && !c.logits_mode && it < c.P - 1;
-                int kind0 = ((int)st[MV_FLAGS] & MVF_LOGITS) ? 5 : 1;
-                if (!skip && !((skipmask >> kind0) & 1)) mv_prefetch(st, blockIdx.x);
-            }
-#endif
             const u32* wctr = s > 0 ? counters + s - 1 : counters + nst - 1;
             const u32 wtarget = s > 0 ? nb * (u32)(it + 1) : nb * (u32)it;
             if (s == 0) c.tok = it < c.P ? prompt[it] : (int)ldi64(run + R_TOK);  // written before the previous iteration's last wait
-            int kind = (type == ST_MATVEC && ((int)st[MV_FLAGS] & MVF_LOGITS)) ? 5 : type;
-            const bool skipk = (skipmask >> kind) & 1;
-            if (type != ST_MATVEC || skipk) wait_counter(wctr, wtarget);
-            if (skipk) { }
-            else if (type == ST_MATVEC) run_matvec(c, wctr, wtarget);
-            else if (type == ST_ATTN) run_attention(c);
-            else if (type == ST_EW) run_ew(c);
-            else if (type == ST_SAMPLE) run_sample(c);
-            __syncthreads();
-            if (threadIdx.x == 0) { __threadfence(); red_release(counters + s, 1u); }
+            const bool skipk = type == ST_MATVEC ? !mv_runs(st, it, c) : (c.skipmask >> type) & 1;
+            if (skipk) wait_counter(wctr, wtarget);
+            else if (type == ST_MATVEC) run_matvec(c, q, wctr, wtarget);
+            else if (type == ST_ATTN) { wait_counter(wctr, wtarget); run_attention(c); }
+            else if (type == ST_EW) { wait_counter(wctr, wtarget); run_ew(c); }
+            else if (type == ST_SAMPLE) { wait_counter(wctr, wtarget); run_sample(c); }
+            csync();
+            // release: every write of this block (ordered by the barrier) is visible before the count
+            if (threadIdx.x == 0) red_release(counters + s, 1u);
         }
         wait_counter(counters + nst - 1, nb * (u32)(it + 1));
         if (ldi64(run + R_STOP)) break;
     }
-#if RING
-    if (threadIdx.x == 0) ring_drain(c);
-    __syncthreads();
-#endif
+    if (threadIdx.x == 0) atomicExch(&s_done, 1);  // the producer drains its copies in flight and exits
 }
