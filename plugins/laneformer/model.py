@@ -14,9 +14,10 @@ import numpy as np
 
 from kog_core.interfaces import ModelArchitecture
 from kog_core.program import DecodeProgram, new_program
+from kog_core.rope import inverse_frequencies
 
 from .config import LaneformerConfig
-from .rope import inverse_frequencies, rope_interleaved
+from .rope import rope_interleaved
 
 
 class Laneformer(ModelArchitecture):

@@ -5,11 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
-    """theta^(-2j/hd) for j = 0 .. hd/2 - 1, in float64."""
-    return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-
-
 def rope_interleaved(t: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     """Rotate t [n, ..., hd] at positions [n]: (a, b) at (2j, 2j+1) -> (a cos - b sin, b cos + a sin)."""
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]          # [n, hd/2]

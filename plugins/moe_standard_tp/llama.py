@@ -10,7 +10,7 @@ from kog_core.interfaces import ModelArchitecture
 from kog_core.program import DecodeProgram, new_program
 
 from .llama_config import LlamaConfig
-from .rope import inverse_frequencies
+from kog_core.rope import inverse_frequencies
 
 
 class Llama(ModelArchitecture):
@@ -73,7 +73,7 @@ class Llama(ModelArchitecture):
             return p.add_tensor(name, (1, *shape), "f32", "buffer")
 
         inv_freq = p.add_tensor("rope.inv_freq", (hd // 2,), "f32", "const")
-        p.metadata["consts"] = {"rope.inv_freq": inverse_frequencies(hd, c.rope_theta, c.rope_scaling).tolist()}
+        p.metadata["consts"] = {"rope.inv_freq": inverse_frequencies(hd, c.rope_theta, c.rope_scaling).astype(np.float32).tolist()}
         x, h = buf("x", D), buf("h", D)
         q, k, v, att = buf("q", Hq * hd), buf("k", Hkv * hd), buf("v", Hkv * hd), buf("att", Hq * hd)
         g, u, a = buf("gate", F), buf("up", F), buf("act", F)
@@ -121,7 +121,7 @@ class Llama(ModelArchitecture):
         def rms(x, w):
             return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.rms_norm_eps) * w
 
-        inv = inverse_frequencies(hd, c.rope_theta, c.rope_scaling).astype(np.float64)
+        inv = inverse_frequencies(hd, c.rope_theta, c.rope_scaling).astype(np.float32).astype(np.float64)
         ang = np.arange(n)[:, None] * inv[None, :]
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
 

@@ -1,4 +1,6 @@
-"""RoPE inverse frequencies, including Llama 3's frequency-dependent scaling."""
+"""RoPE inverse frequencies theta^(-2j/hd), with the rope_scaling kinds of Hugging Face configs
+(Llama 3's frequency-dependent scaling, linear). Shared by the model plugins; float64, callers
+round where their published model does (Llama: float32)."""
 from __future__ import annotations
 
 import math
@@ -23,4 +25,4 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
         inv = inv / scaling["factor"]
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {kind!r}")
-    return inv.astype(np.float32)
+    return inv
