@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import time
 from typing import Iterator, Mapping, Sequence
@@ -126,7 +127,6 @@ class HopperBackend(KernelBackend):
             self.argmax_tiles = tiles
             return self.argmax_ptr
 
-        import os
         slot_bytes = int(os.environ.get("KOG_HOPPER_SLOT_KB", 32)) * 1024
         item_rows = int(os.environ.get("KOG_HOPPER_ITEM_ROWS", 0)) or None
         rows = []
@@ -134,9 +134,6 @@ class HopperBackend(KernelBackend):
             S.fuse_attention_combine(program, stages)
         self.d_desc = self._alloc(len(stages) * S.NSLOT * 8)  # rows point at each other (MV_ATTN)
         for st in stages:
-            if "_attn_stage" in st.f:
-                at = stages[st.f["_attn_stage"]]
-                st.f["MV_ATTN"] = self.d_desc + st.f["_attn_stage"] * S.NSLOT * 8
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
@@ -146,8 +143,10 @@ class HopperBackend(KernelBackend):
                 st.f["MV_PACKED"] = self._upload(packed)
                 del packed
                 st.smem = xbytes
-                if "_attn_stage" in st.f:  # chunk weights of the attention combine (decode.cu mv_load_attn)
-                    st.smem += at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16
+                if "_attn_stage" in st.f:  # its input combines the attention's chunks (decode.cu mv_load_attn)
+                    at = stages[st.f["_attn_stage"]]
+                    st.f["MV_ATTN"] = self.d_desc + st.f["_attn_stage"] * S.NSLOT * 8
+                    st.smem += at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16  # its chunk weights
             if st.type == "attn":
                 sc = st.f.pop("_scratch")
                 st.f["AT_PART_O"] = self._alloc(sc["part_o"] * 4)

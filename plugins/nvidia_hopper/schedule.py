@@ -48,6 +48,7 @@ SLOTS = dict(
 CONSTS = dict(
     NSLOT=NSLOT, SEG_STRIDE=SEG_STRIDE,
     ST_MATVEC=1, ST_ATTN=2, ST_EW=3, ST_SAMPLE=4,
+    ATT_SUB=32,  # attention: positions per shared-memory K/V sub-chunk
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
     MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
@@ -333,7 +334,7 @@ def _attn_stage(P, ops, idxs, nb, nt):
     st.f["_scratch"] = scratch
     # decode.cu run_attention: q and running output [G][hd], new k and v [hd], scores [G][ATT_SUB],
     # P.V partials (nt * 8 floats), two double buffers of K and V sub-chunks [ATT_SUB][hd + 8] bf16
-    sub = 32
+    sub = CONSTS["ATT_SUB"]
     st.smem = (2 * G * hd + 2 * hd + G * sub) * 4 + nt * 8 * 4 + 2 * 2 * sub * (hd + 8) * 2 + 64
     return st
 
@@ -397,7 +398,8 @@ def fuse_attention_combine(P, stages) -> None:
         out = P.ops[a].outputs[0]
         if mv.f.get("MV_IN") != "@" + out or mv.f["MV_K"] != at.f["AT_H"] * at.f["AT_HD"]:
             continue
-        if any(j not in mv.ops for j in _readers(P.ops, a, out)) or not _readers(P.ops, a, out):
+        readers = _readers(P.ops, a, out)
+        if not readers or any(j not in mv.ops for j in readers):
             continue
         at.f["AT_NOCOMBINE"] = 1
         mv.f["MV_IN_MODE"] = CONSTS["IN_ATTN"]

@@ -189,7 +189,7 @@ __device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {
 // Segment s of a matvec stage: MV_SEG0 + s * SEG_STRIDE + field
 __device__ __forceinline__ const i64* seg(const i64* st, int s) { return st + MV_SEG0 + s * SEG_STRIDE; }
 
-#define ATT_SUB 32    // positions per K/V sub-chunk of attention in shared memory (double-buffered)
+// ATT_SUB (schedule.CONSTS): positions per K/V sub-chunk of attention in shared memory (double-buffered)
 
 // How attention splits the positions [start, pos] of a query: nch chunks of csz (the last one
 // shorter), about one tile per block over lanes x kv heads, chunks of >= ATT_SUB (one shared-memory
