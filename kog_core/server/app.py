@@ -402,39 +402,31 @@ def create_app(engine, server_config=None):
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return model_card()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        endpoint = "/v1/chat/completions"
+    async def complete(request: Request, endpoint: str, schema, chat: bool):
+        """Parse, check and queue one request of either endpoint, then answer it (streamed or not).
+        Errors before queueing count in the metrics here; a 429 is counted by the queue."""
         try:
-            req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+            req = await parse(request, schema)
             try:
-                messages = req.chat_messages()
+                content = req.chat_messages() if chat else req.single_prompt()
             except UnsupportedParameter as e:
                 raise APIError(400, str(e), param=e.param, code="unsupported_parameter")
-            ids = await encode(messages, True, "messages")
-            job = submit(endpoint, "chatcmpl", ids, engine_params(req, req.limit, len(ids)))
+            ids = await encode(content, chat, "messages" if chat else "prompt")
+            limit = req.limit if chat else req.max_tokens
+            job = submit(endpoint, "chatcmpl" if chat else "cmpl", ids, engine_params(req, limit, len(ids)))
         except APIError as e:
             if e.status != 429:
                 metrics.count_request(endpoint, e.status)
             raise
-        return await run(request, job, endpoint, True, bool(req.stream), req.include_usage)
+        return await run(request, job, endpoint, chat, bool(req.stream), req.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, "/v1/chat/completions", ChatCompletionRequest, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        endpoint = "/v1/completions"
-        try:
-            req: CompletionRequest = await parse(request, CompletionRequest)
-            try:
-                prompt = req.single_prompt()
-            except UnsupportedParameter as e:
-                raise APIError(400, str(e), param=e.param, code="unsupported_parameter")
-            ids = await encode(prompt, False, "prompt")
-            job = submit(endpoint, "cmpl", ids, engine_params(req, req.max_tokens, len(ids)))
-        except APIError as e:
-            if e.status != 429:
-                metrics.count_request(endpoint, e.status)
-            raise
-        return await run(request, job, endpoint, False, bool(req.stream), req.include_usage)
+        return await complete(request, "/v1/completions", CompletionRequest, chat=False)
 
     app.add_middleware(Guard, api_key=sc.api_key, max_body_bytes=sc.max_body_bytes, metrics=metrics)
     return app
