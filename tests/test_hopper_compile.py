@@ -190,3 +190,16 @@ def test_logits_rows_are_one_vocabulary_apart_for_laneformer_heads():
     assert len(heads) == 1
     S.finalize_matvec(heads[0], 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
     assert heads[0].f["MV_OUT_STRIDE"] == prog.vocab_size and prog.lanes == 4
+
+
+def test_tuning_knobs_reject_malformed_values_in_one_line(monkeypatch):
+    from kog_nvidia_hopper.backend import _env_int
+    monkeypatch.delenv("KOG_HOPPER_SLOT_KB", raising=False)
+    assert _env_int("KOG_HOPPER_SLOT_KB", 32) == 32
+    monkeypatch.setenv("KOG_HOPPER_SLOT_KB", "48")
+    assert _env_int("KOG_HOPPER_SLOT_KB", 32) == 48
+    for bad in ("abc", "0", "-4", "1.5"):
+        monkeypatch.setenv("KOG_HOPPER_SLOT_KB", bad)
+        with pytest.raises(KogError) as e:
+            _env_int("KOG_HOPPER_SLOT_KB", 32)
+        assert "\n" not in str(e.value) and "KOG_HOPPER_SLOT_KB" in str(e.value)

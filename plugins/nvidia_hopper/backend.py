@@ -21,6 +21,16 @@ def _f32bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", float(x)))[0]
 
 
+def _env_int(name: str, default: int) -> int:
+    """A positive integer tuning knob from the environment (docs/nvidia-hopper.md)."""
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    if not v.isdigit() or int(v) <= 0:
+        raise KogError(f"{name}={v!r} is not a positive integer: set a number (e.g. {name}={default or 16}) or unset it")
+    return int(v)
+
+
 def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
     import ml_dtypes
     a = np.asarray(a)
@@ -127,10 +137,13 @@ class HopperBackend(KernelBackend):
             self.argmax_tiles = tiles
             return self.argmax_ptr
 
-        slot_bytes = int(os.environ.get("KOG_HOPPER_SLOT_KB", 32)) * 1024
-        item_rows = int(os.environ.get("KOG_HOPPER_ITEM_ROWS", 0)) or None
+        slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
+        item_rows = _env_int("KOG_HOPPER_ITEM_ROWS", 0) or None
         rows = []
-        if os.environ.get("KOG_HOPPER_ATTN_COMBINE", "loader") == "loader":
+        combine = os.environ.get("KOG_HOPPER_ATTN_COMBINE", "loader")
+        if combine not in ("loader", "ticket"):
+            raise KogError(f"KOG_HOPPER_ATTN_COMBINE={combine!r}: use 'loader' or 'ticket' (or leave it unset)")
+        if combine == "loader":
             S.fuse_attention_combine(program, stages)
         self.d_desc = self._alloc(len(stages) * S.NSLOT * 8)  # rows point at each other (MV_ATTN)
         for st in stages:
