@@ -21,13 +21,13 @@ def _f32bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", float(x)))[0]
 
 
-def _env_int(name: str, default: int) -> int:
-    """A positive integer tuning knob from the environment (docs/nvidia-hopper.md)."""
+def _env_int(name: str, default: int, lo: int = 1, hi: int = 1 << 20) -> int:
+    """An integer tuning knob in [lo, hi] from the environment (docs/nvidia-hopper.md)."""
     v = os.environ.get(name)
     if v is None:
         return default
-    if not v.isdigit() or int(v) <= 0:
-        raise KogError(f"{name}={v!r} is not a positive integer: set a number (e.g. {name}={default or 16}) or unset it")
+    if not v.strip().isdigit() or not lo <= int(v) <= hi:
+        raise KogError(f"{name}={v!r} is not an integer from {lo} to {hi}: set one (e.g. {name}={default or 16}) or unset it")
     return int(v)
 
 
@@ -138,6 +138,7 @@ class HopperBackend(KernelBackend):
             return self.argmax_ptr
 
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
+        prefetch = _env_int("KOG_HOPPER_PREFETCH", 0, lo=0, hi=32)  # items the L2 prefetch runs ahead of the ring
         item_rows = _env_int("KOG_HOPPER_ITEM_ROWS", 0) or None
         rows = []
         combine = os.environ.get("KOG_HOPPER_ATTN_COMBINE", "loader")
@@ -146,17 +147,20 @@ class HopperBackend(KernelBackend):
         if combine == "loader":
             S.fuse_attention_combine(program, stages)
         self.d_desc = self._alloc(len(stages) * S.NSLOT * 8)  # rows point at each other (MV_ATTN)
-        for st in stages:
+        streamed = []
+        for si, st in enumerate(stages):
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
                 plan, xbytes = S.stream_plan(st, self.nb, S.NW, slot_bytes, item_rows)
-                st.f["MV_PLAN"] = self._upload(plan)
                 packed = S.pack_stage_weights(plan, self.nb, st.segs, lambda name: _to_bf16_bits(weights[name]))
                 st.f["MV_PACKED"] = self._upload(packed)
                 del packed
+                streamed.append((si, plan, st.segs, st.f["MV_PACKED"], st.f["MV_FLAGS"]))
                 st.smem = xbytes
                 if "_attn_stage" in st.f:  # its input combines the attention's chunks (decode.cu mv_load_attn)
+                    if st.f["_attn_stage"] != si - 1:
+                        raise KogError("nvidia_hopper: an attention combine must read the stage just before it")
                     at = stages[st.f["_attn_stage"]]
                     st.f["MV_ATTN"] = self.d_desc + st.f["_attn_stage"] * S.NSLOT * 8
                     st.smem += at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16  # its chunk weights
@@ -172,6 +176,8 @@ class HopperBackend(KernelBackend):
                 st.f["SM_NPART"] = self.argmax_tiles
             rows.append(self._pack(st))
         self.stages = stages
+        stream, binfo = S.stream_list(streamed, self.nb, len(stages))
+        self.d_stream, self.d_binfo = self._upload(stream), self._upload(binfo)
         self.desc = np.stack(rows)
         check(drv.cuMemcpyHtoD(self.d_desc, self.desc.ctypes.data, self.desc.nbytes), "cuMemcpyHtoD(stages)")
         self.nst = len(stages)
@@ -182,7 +188,15 @@ class HopperBackend(KernelBackend):
         if nslots < 2:
             raise CapabilityError(f"nvidia_hopper: the stages need {scratch} bytes of shared memory, leaving no "
                                   f"room for two {slot_bytes}-byte weight slots (try KOG_HOPPER_SLOT_KB=16)")
-        variant = dict(NT=S.NT, NSLOTS=nslots, SLOT_BYTES=slot_bytes, RING_OFF=scratch)
+        variant = dict(NT=S.NT, NSLOTS=nslots, SLOT_BYTES=slot_bytes, RING_OFF=scratch, PREFETCH=prefetch)
+        self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None
+        self.d_trace = 0
+        if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)
+            variant["TRACE"] = 1
+            self.trace_shape = (4, len(stages), self.nb, 16)
+            self.d_trace = self._alloc(int(np.prod(self.trace_shape)) * 8)
+        if os.environ.get("KOG_HOPPER_ARRIVE_WARP") == "1":  # experiment (perf notes v10)
+            variant["ARRIVE_WARP"] = 1
         self.smem = scratch + nslots * slot_bytes
         self.variant = variant
         # compile (cached on disk) and load
@@ -268,6 +282,12 @@ class HopperBackend(KernelBackend):
         run[R["R_CTX"]] = self.T
         run[R["R_SCRATCH"]] = self.d_scratch
         run[R["R_SKIP"]] = skip
+        run[R["R_STREAM"]] = self.d_stream
+        run[R["R_BINFO"]] = self.d_binfo
+        if self.d_trace:
+            check(drv.cuMemsetD32(self.d_trace, 0, int(np.prod(self.trace_shape)) * 2), "cuMemsetD32(trace)")
+            run[R["R_TRACE"]] = self.d_trace
+            run[R["R_TRACE_IT0"]] = self.trace_it0
         check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
         check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
         self.cnt_view[0] = 0
@@ -371,11 +391,18 @@ class HopperBackend(KernelBackend):
         prompt = [int(t) for t in prompt_ids]
         steps = len(prompt) + n_tokens - 1
         variants = {"full": 0, "no attention": 1 << 2, "no LM head": 1 << 5, "no layer matvecs": 1 << 1,
-                    "no elementwise": 1 << 3, "sync only (no matvec/attention/LM head)": (1 << 1) | (1 << 2) | (1 << 3) | (1 << 5)}
+                    "no elementwise": 1 << 3, "sync only (no matvec/attention/LM head)": (1 << 1) | (1 << 2) | (1 << 3) | (1 << 5),
+                    "stream only (no waits between stages)": 1 << 6}
         out = {}
         for name, mask in variants.items():
             ts = [self._time_request(prompt, n_tokens, mask) for _ in range(3)]
             out[name + " us/token"] = round(float(np.median(ts)) / steps * 1e6, 2)
+        return out
+
+    def read_trace(self) -> np.ndarray:
+        """The last launch's timestamps [token, stage, block, 8] (decode.cu, TRACE builds)."""
+        out = np.zeros(self.trace_shape, np.uint64)
+        check(self.drv.cuMemcpyDtoH(out.ctypes.data, self.d_trace, out.nbytes), "cuMemcpyDtoH(trace)")
         return out
 
     # ------------------------------------------------------------------ facts

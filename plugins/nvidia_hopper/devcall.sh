@@ -7,6 +7,7 @@
 #   variants   bench-2b under tuning variants (KOG_HOPPER_SLOT_KB / ITEM_ROWS / STREAM=0)
 #   peer       the torch peer (.devcarry/torch_peer.py) for the same shapes
 #   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
+#   trace      per-stage timestamps (trace.py) for TRACE_PRESETS under each of TRACE_ENVS
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -47,4 +48,10 @@ sanitize)
     timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --print-limit 10 python3 -m kog_nvidia_hopper.selfcheck > $OUT/san_$tool.log 2>&1
     echo "$tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|selfcheck ok" $OUT/san_$tool.log | tr '\n' ' ')"
   done ;;
+trace)
+  export PYTHONPATH=/tmp/site
+  for m in ${TRACE_PRESETS:-bench-2b}; do for v in ${TRACE_ENVS:-"KOG_HOPPER_PREFETCH=4"}; do
+    env $v timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m --save $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.npz > $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log 2>&1
+    echo "== trace $m $v rc=$?"; head -1 $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log | cut -c1-200; grep -A12 "^token:" $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log | cut -c1-120
+  done; done ;;
 esac; done

@@ -32,7 +32,7 @@ SLOTS = dict(
     # matvec
     MV_K=2, MV_FLAGS=4, MV_IN_MODE=5, MV_IN=6, MV_NORM_W=7, MV_NORM_WL=8,
     MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_OUT_STRIDE=15, MV_SEG0=16,
-    MV_PLAN=64, MV_PACKED=65, MV_ATTN=66,
+    MV_PACKED=65, MV_ATTN=66,
     SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
     SEG_RESL=8, SEG_W2=9,
     # attention
@@ -59,6 +59,8 @@ RUN = dict(
     R_PROMPT=0, R_PROMPT_LEN=1, R_START_POS=2, R_MAXNEW=3, R_STOPIDS=4, R_NSTOP=5, R_TEMP=6,
     R_TOPK=7, R_TOPP=8, R_SEED=9, R_LOGITS_ALL=10, R_LOGITS_MODE=11, R_HOST_OUT=12,
     R_HOST_COUNT=13, R_CANCEL=14, R_CTX=15, R_SCRATCH=16, R_TOK=17, R_STOP=18, R_SKIP=19,
+    R_TRACE=20, R_TRACE_IT0=21,  # trace builds only (trace.py)
+    R_STREAM=22, R_BINFO=23,     # the producers' copy lists and the blocks' stage info (stream_list)
 )
 NRUN = 24
 
@@ -510,6 +512,46 @@ def plan_items(plan: np.ndarray, nb: int) -> np.ndarray:
     """The items of a plan as rows of (segment, lane, packed offset / 16, row0, rows, k0, klen, flags, xoff)."""
     it = plan[(3 * nb + 4) & ~3:].reshape(-1, 8).astype(np.int64)
     return np.concatenate([it[:, :1] & 3, it[:, :1] >> 2, it[:, 1:]], axis=1)
+
+
+SE_WORDS = 12  # uint32 per stream-list entry (decode.cu produce)
+
+
+def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray]:
+    """The producer warps' copy lists (decode.cu `produce`) and the consumers' per-stage block info.
+
+    List: for every block, each item of each matvec stage in stage order, as 12 uint32: packed
+    source address (lo, hi), bytes, flags (bit 0: the stage skips prompt positions, bit 1: it
+    writes the logits, bits 8+: stage index), then the item's 8 plan ints (segment | lane << 2,
+    offset / 16, row0, rows, k0, klen, IT_* flags, x offset), which the producer hands to the
+    consumers in the slot's header. Layout: per-block entry ranges [nb + 1] padded to 16 bytes,
+    then the entries. Block info: int32 [nst][nb][4] = (items, first lane, lanes, 0) of the block
+    in each stage (zeros for stages without weights).
+    `stages`: (stage index, plan, segs, packed device address, MV_FLAGS) of every matvec stage."""
+    per_block: list[list] = [[] for _ in range(nb)]
+    binfo = np.zeros((nst, nb, 4), np.int32)
+    for si, plan, segs, packed, mv_flags in stages:
+        raw = plan[(3 * nb + 4) & ~3:].reshape(-1, 8)
+        its = plan_items(plan, nb)
+        offs = plan[:nb + 1]
+        binfo[si, :, 0] = offs[1:] - offs[:-1]
+        binfo[si, :, 1] = plan[nb + 1:2 * nb + 1]
+        binfo[si, :, 2] = plan[2 * nb + 1:3 * nb + 1]
+        flags = (1 if mv_flags & 2 else 0) | (2 if mv_flags & 1 else 0) | (si << 8)
+        for b in range(nb):
+            for j in range(offs[b], offs[b + 1]):
+                seg, _, off16, _, rows, _, klen, _, _ = its[j]
+                src = int(packed) + int(off16) * 16
+                nbytes = int(rows) * int(klen) * (4 if segs[seg]["SEG_W2"] else 2)
+                per_block[b].append([src & 0xFFFFFFFF, src >> 32, nbytes, flags] + [int(v) & 0xFFFFFFFF for v in raw[j]])
+    head = ((nb + 4) >> 2) * 4
+    counts = np.cumsum([0] + [len(e) for e in per_block])
+    out = np.zeros(head + SE_WORDS * int(counts[-1]), np.uint32)
+    out[:nb + 1] = counts
+    rows = [e for blk in per_block for e in blk]
+    if rows:
+        out[head:] = np.asarray(rows, np.uint64).astype(np.uint32).ravel()
+    return out, binfo
 
 
 def pack_stage_weights(plan: np.ndarray, nb: int, segs: list, weight_bits) -> np.ndarray:

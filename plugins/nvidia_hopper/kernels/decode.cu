@@ -166,12 +166,37 @@ __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
     return c0;
 }
 
+// ------------------------------------------------------------------------------ trace
+// Built only with TRACE (KOG_HOPPER_TRACE, trace.py): per traced token, stage and block, TRACE_W
+// u64 (globaltimer ns): consumer 0 stage entered, 1 wait done, 2 input loaded, 3 done; producer
+// 4 stage reached, 5 last copy issued, 6 ns spent waiting for free slots; 7 SM id; 8 consumer ns
+// waiting for full slots; 9 release done; attention 10 q/k/v ready, 11 first K/V landed, 12 loop
+// done, 13 partials written.
+#ifdef TRACE
+#define NTRACE 4
+#define TRACE_W 16
+__device__ __forceinline__ u64 gtimer() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ u64* trace_row(const i64* run, int it, int s, int nst) {
+    const int k = it - (int)run[R_TRACE_IT0];
+    if (!run[R_TRACE] || k < 0 || k >= NTRACE) return nullptr;
+    return (u64*)run[R_TRACE] + (((i64)k * nst + s) * gridDim.x + blockIdx.x) * TRACE_W;
+}
+#define TMARK(c, f) do { if ((c).tr && threadIdx.x == 0) (c).tr[f] = gtimer(); } while (0)
+#else
+#define TMARK(c, f) do { } while (0)
+#endif
+
 // ------------------------------------------------------------------------------ context
 struct Ctx {
-    const i64* st;      // this stage's descriptor
+#ifdef TRACE
+    u64* tr;
+#endif
+    const i64* st;      // this stage's descriptor (a shared-memory copy)
+    const i64* prev;    // the previous stage's descriptor (shared memory too)
+    int4 blk;           // this block's share of a matvec stage: items, first lane, lanes
     i64* run;           // run parameters + state
-    u32* counters;
-    int it, pos, tok, P, logits_mode, nb;
+    float* logits_all;  // logits mode: one row per position (run[R_LOGITS_ALL])
+    int it, pos, tok, P, logits_mode, nst;
     float* sm;          // dynamic shared memory
     float* red;         // small reduction scratch (NW + 1 floats)
     int skipmask;       // benchmark breakdown: stage kinds not executed
@@ -227,17 +252,17 @@ __device__ __forceinline__ bool mv_runs(const i64* st, int it, const Ctx& c) {
 }
 
 // ---------------------------------------------------------------- weight stream (producer warp)
-// The plan of a matvec stage (int32, built by schedule.stream_plan): item ranges per block
-// [nb + 1], first lane [nb], lane count [nb], then items of 8 ints from PLAN_ITEMS(nb) on:
-// segment | lane << 2, offset / 16 in the stage's packed weights (MV_PACKED), first row, rows,
-// k0, klen, flags (IT_FIRST / IT_LAST k-slice), x offset. An item is `rows` rows (pair segments:
-// gate rows then up rows) x klen columns, <= SLOT_BYTES, stored contiguously: one bulk copy.
-#define PLAN_ITEMS(nb) ((3 * (nb) + 4) & ~3)
+// An item (schedule.stream_plan) is `rows` weight rows (pair segments: gate rows then up rows) x
+// klen columns, <= SLOT_BYTES, stored contiguously in the stage's packed weights: one bulk copy.
+// Its header, 8 ints: segment | lane << 2, offset / 16, first row, rows, k0, klen, flags
+// (IT_FIRST / IT_LAST k-slice of its row group), x offset. The producer writes it into the slot's
+// header beside the data, so a consumer never reads an item description from global memory.
 #define IT_FIRST 1
 #define IT_LAST 2
 
 extern __shared__ float4 smem4[];
 __shared__ u64 full_bar[NSLOTS], empty_bar[NSLOTS];
+__shared__ int4 slot_hdr[NSLOTS][2];  // the item in each slot (written by the producer before the copy)
 __shared__ int s_done;  // set once by the consumers when the request ends; atomics on both sides
 
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
@@ -264,38 +289,112 @@ __device__ __forceinline__ unsigned char* ring_slot(u32 q) {
     return (unsigned char*)smem4 + RING_OFF + (q % NSLOTS) * SLOT_BYTES;
 }
 
-// One thread: walk this block's items of every matvec stage, token after token, and copy each
-// into the next ring slot once the consumers have released it. Stops when the consumers are done
-// (s_done), after every copy still in flight has landed (a block must not exit with one pending).
-__device__ __noinline__ void produce(const i64* stages, int nst, const Ctx& c) {
+// The block's stream list (schedule.stream_list): every item of every matvec stage in the order the
+// consumers take them, 48 bytes each: source address (lo, hi), bytes, flags, then the item header.
+// Per-block ranges [nb + 1] first, entries from SE_HEAD(nb) on (uint4 units, 3 per entry). One list is one token; the producer
+// walks it again for every token, skipping the entries whose stage does not run (mv_runs).
+#define SE_HEAD(nb) (((nb) + 4) >> 2)
+#define SE_SKIP_PROMPT 1  // the stage's MVF_SKIP_PROMPT
+#define SE_LOGITS 2       // the stage writes the logits (benchmark skip bit 5 rather than 1)
+#ifndef PREFETCH
+#define PREFETCH 0        // items the L2 prefetch runs ahead of the ring's copies (0..32)
+#endif
+
+__device__ __forceinline__ bool se_runs(u32 f, int it, const Ctx& c) {
+    if ((f & SE_SKIP_PROMPT) && !c.logits_mode && it < c.P - 1) return false;
+    return !((c.skipmask >> ((f & SE_LOGITS) ? 5 : 1)) & 1);
+}
+// Lane l's entry of the batch starting at entry bi of token bit (the list repeats every token).
+struct SEntry { uint4 copy; int4 h, g; };
+__device__ __forceinline__ void se_load(const uint4* ent, int n, int bi, int bit, SEntry& e, int& eit) {
+    int i = bi + (threadIdx.x & 31), t = bit;
+    while (i >= n) { i -= n; ++t; }
+    e.copy = __ldg(ent + 3 * i);
+    e.h = __ldg((const int4*)ent + 3 * i + 1);
+    e.g = __ldg((const int4*)ent + 3 * i + 2);
+    eit = t;
+}
+__device__ __forceinline__ int4 shfl4(int4 v, int k) {
+    return make_int4(__shfl_sync(0xffffffffu, v.x, k), __shfl_sync(0xffffffffu, v.y, k),
+                     __shfl_sync(0xffffffffu, v.z, k), __shfl_sync(0xffffffffu, v.w, k));
+}
+__device__ __forceinline__ void prefetch_l2(uint4 e) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(((u64)e.y << 32) | e.x), "r"(e.z) : "memory");
+}
+
+// The producer warp: walk this block's stream list token after token and copy each item into the
+// next ring slot once the consumers have released it (lane 0 issues; the warp loads the list 32
+// entries at a time, one batch ahead, so no item waits on a list read). With PREFETCH, the lane
+// holding the item PREFETCH places ahead asks L2 for it first, so HBM keeps streaming while the
+// ring is full (e.g. during attention). Stops when the consumers are done (s_done), after every
+// copy still in flight has landed (a block must not exit with one pending).
+__device__ __noinline__ void produce(const Ctx& c) {
+    const u32* list = (const u32*)c.run[R_STREAM];
+    const int nb = gridDim.x, ln = threadIdx.x & 31;
+    const int e0 = (int)list[blockIdx.x], n = (int)list[blockIdx.x + 1] - e0;
+    const uint4* ent = (const uint4*)list + SE_HEAD(nb) + 3 * e0;
     u32 q = 0;
-    const int nb = gridDim.x;
-    for (int it = 0;; ++it) {
-        for (int s = 0; s < nst; ++s) {
-            if (atomicAdd(&s_done, 0)) goto drain;
-            const i64* st = stages + (i64)s * NSLOT;
-            if (!mv_runs(st, it, c)) continue;
-            const int* plan = (const int*)st[MV_PLAN];
-            const int j1 = plan[blockIdx.x + 1];
-            const int* items = plan + PLAN_ITEMS(nb);
-            const unsigned char* packed = (const unsigned char*)st[MV_PACKED];
-            for (int j = plan[blockIdx.x]; j < j1; ++j) {
-                const int4 h = *(const int4*)(items + 8 * j);      // segment | lane << 2, offset / 16, row0, rows
-                const int klen = items[8 * j + 5];
-                const u32 slot = q % NSLOTS;
-                if (q >= NSLOTS) {
-                    while (!mbar_try(&empty_bar[slot], ((q / NSLOTS) - 1) & 1))
-                        if (atomicAdd(&s_done, 0)) goto drain;
-                }
-                const u32 bytes = (u32)h.w * (u32)klen * (seg(st, h.x & 3)[SEG_W2] ? 4u : 2u);
-                mbar_expect_tx(&full_bar[slot], bytes);
-                bulk_copy(ring_slot(q), packed + (i64)h.y * 16, bytes, &full_bar[slot]);
-                ++q;
+    if (n == 0) {  // no weights to stream in this block
+        while (!atomicAdd(&s_done, 0)) __nanosleep(2000);
+        return;
+    }
+    SEntry ce, ne;  // this lane's entry of the current / next batch of 32
+    int cit, nit;  // and their tokens
+    int bi = 0, bit = 0;
+    se_load(ent, n, bi, bit, ce, cit);
+    int nbi = bi + 32, nbit = bit;
+    while (nbi >= n) { nbi -= n; ++nbit; }
+    se_load(ent, n, nbi, nbit, ne, nit);
+    for (;;) {
+        for (int k = 0; k < 32; ++k) {
+            if (PREFETCH > 0) {
+                const int kw = k + PREFETCH;
+                if (kw < 32 ? (ln == kw && se_runs(ce.copy.w, cit, c)) : (ln == kw - 32 && se_runs(ne.copy.w, nit, c)))
+                    prefetch_l2(kw < 32 ? ce.copy : ne.copy);
             }
+            const u32 f = __shfl_sync(0xffffffffu, ce.copy.w, k);
+            const int t = __shfl_sync(0xffffffffu, cit, k);
+            if (!se_runs(f, t, c)) continue;
+            const u32 lo = __shfl_sync(0xffffffffu, ce.copy.x, k), hi = __shfl_sync(0xffffffffu, ce.copy.y, k);
+            const u32 bytes = __shfl_sync(0xffffffffu, ce.copy.z, k);
+            const int4 ih = shfl4(ce.h, k), ig = shfl4(ce.g, k);
+            const u32 slot = q % NSLOTS;
+            if (ln == 0) {
+                int done = 0;
+#ifdef TRACE
+                u64* tr = trace_row(c.run, t, (int)(f >> 8), (int)c.nst);
+                if (tr && !tr[4]) tr[4] = gtimer();
+                const u64 tw = gtimer();
+#endif
+                if (q >= NSLOTS)
+                    while (!mbar_try(&empty_bar[slot], ((q / NSLOTS) - 1) & 1))
+                        if (atomicAdd(&s_done, 0)) { done = 1; break; }
+#ifdef TRACE
+                if (tr) { tr[6] += gtimer() - tw; tr[5] = gtimer(); }
+#endif
+                if (!done) {
+                    slot_hdr[slot][0] = ih;  // released to the consumers by the arrive below
+                    slot_hdr[slot][1] = ig;
+                    mbar_expect_tx(&full_bar[slot], bytes);
+                    bulk_copy(ring_slot(q), (const void*)(((u64)hi << 32) | lo), bytes, &full_bar[slot]);
+                }
+                q |= done ? 0x80000000u : 0u;
+            }
+            q = __shfl_sync(0xffffffffu, q, 0);
+            if (q & 0x80000000u) { q &= 0x7fffffffu; goto drain; }
+            ++q;
         }
+        int done = 0;
+        if (ln == 0) done = atomicAdd(&s_done, 0);
+        if (__shfl_sync(0xffffffffu, done, 0)) goto drain;
+        ce = ne; cit = nit;
+        nbi += 32;
+        while (nbi >= n) { nbi -= n; ++nbit; }
+        se_load(ent, n, nbi, nbit, ne, nit);
     }
 drain:
-    for (u32 r = q > NSLOTS ? q - NSLOTS : 0; r < q; ++r) mbar_wait(&full_bar[r % NSLOTS], (r / NSLOTS) & 1);
+    if (ln == 0)
+        for (u32 r = q > NSLOTS ? q - NSLOTS : 0; r < q; ++r) mbar_wait(&full_bar[r % NSLOTS], (r / NSLOTS) & 1);
 }
 
 // ---------------------------------------------------------------- matvec (consumer warps)
@@ -308,7 +407,8 @@ __device__ __forceinline__ int xsplit(int e, int K) { return ((e & 4) ? (K >> 1)
 
 // Loads are issued in batches of XV per thread before any is used: a loop of one load per
 // iteration costs a full L2 round trip per iteration (K = 8192: six) on every stage's critical path.
-__device__ void mv_load_x(const Ctx& c, int lane, float* x) {
+// wpre: this thread's norm weights when the caller loaded them before its wait (null: load here).
+__device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, const uint2* wpre) {
     const i64* st = c.st;
     const int K = (int)st[MV_K], K4 = K >> 2;
     const int mode = (int)st[MV_IN_MODE];
@@ -349,7 +449,7 @@ __device__ void mv_load_x(const Ctx& c, int lane, float* x) {
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
-                if (i < K4) w[u] = *(const uint2*)(nw + 4 * i);
+                if (i < K4) w[u] = wpre ? wpre[u] : *(const uint2*)(nw + 4 * i);
             }
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
@@ -370,7 +470,7 @@ __device__ void mv_load_x(const Ctx& c, int lane, float* x) {
 // partials (m, l, o): x[h][d] = sum_k exp(m_k - M) o_k[d] / sum_k exp(m_k - M) l_k.
 // wk: H * MAXCH * 2 floats of shared memory for the chunk weights.
 __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
-    const i64* at = (const i64*)c.st[MV_ATTN];
+    const i64* at = c.prev;  // MV_ATTN: the attention is always the stage just before (fuse_attention_combine)
     const int K = (int)c.st[MV_K];
     const int H = (int)at[AT_H], hd = (int)at[AT_HD], MAXCH = (int)at[AT_MAXCH];
     int start, nch, csz;
@@ -411,46 +511,73 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
 // Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
 // the item's k-slices in registers (a row group's slices are consecutive items of one block), and
 // writes its outputs after the last slice. Every consumer thread releases every slot (empty barrier: NT arrivals).
+// Item headers come with the data (slot_hdr) and the block's share from c.blk (shared memory):
+// no global read but the input (and the norm weights, read before the wait) on the critical path.
 __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wtarget) {
     const i64* st = c.st;
-    const int* plan = (const int*)st[MV_PLAN];
     const int nb = gridDim.x;
-    const int j0 = plan[blockIdx.x], j1 = plan[blockIdx.x + 1];
-    const int lane0 = plan[nb + 1 + blockIdx.x], nl = plan[2 * nb + 1 + blockIdx.x];
-    const int* items = plan + PLAN_ITEMS(nb);
-    const int K = (int)st[MV_K];
+    const int nitems = c.blk.x, lane0 = c.blk.y, nl = c.blk.z;
+    const int K = (int)st[MV_K], K4 = K >> 2;
     const int flags = (int)st[MV_FLAGS];
+    const int mode = (int)st[MV_IN_MODE];
     const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
     float* xs = c.sm;
     __shared__ float s_best[NW];
     __shared__ int s_bidx[NW];
+    uint2 wpre[XV];
+    const bool pre_norm = (mode & IN_NORM) && nl > 0 && K4 <= XV * NT;
+    if (pre_norm) {
+        const u16* nw = (const u16*)st[MV_NORM_W] + lane0 * st[MV_NORM_WL];
+#pragma unroll
+        for (int u = 0; u < XV; ++u) {
+            const int i = u * NT + tid;
+            if (i < K4) wpre[u] = *(const uint2*)(nw + 4 * i);
+        }
+    }
 
     wait_counter(wctr, wtarget);
+    TMARK(c, 1);
     write_embedding(c);
     for (int l = 0; l < nl; ++l) {
-        if (st[MV_IN_MODE] & IN_ATTN) {
+        if (mode & IN_ATTN) {
             mv_load_attn(c, lane0 + l, xs + l * K, xs + nl * K);
             csync();  // the chunk weights are reused by the next lane
         } else {
-            mv_load_x(c, lane0 + l, xs + l * K);
+            mv_load_x(c, lane0 + l, xs + l * K, pre_norm && l == 0 ? wpre : nullptr);
         }
     }
     csync();
+    TMARK(c, 2);
 
     float best = -__int_as_float(0x7f800000);
     int bidx = 0x7fffffff;
     float acc0 = 0.f, acc1 = 0.f;
-    for (int j = j0; j < j1; ++j, ++q) {
-        const int4 h = *(const int4*)(items + 8 * j);      // segment | lane << 2, offset / 16, row0, rows
-        const int4 g = *(const int4*)(items + 8 * j + 4);  // k0, klen, flags, xoff
+    for (int j = 0; j < nitems; ++j, ++q) {
+        const u32 slot = q % NSLOTS;
+#ifdef TRACE
+        const u64 tw = c.tr ? gtimer() : 0;
+#endif
+        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
+#ifdef TRACE
+        if (c.tr && tid == 0) c.tr[8] += gtimer() - tw;
+#endif
+        const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
         const i64* sg = seg(st, h.x & 3);
         const bool pair = sg[SEG_W2] != 0;
         const int ra = pair ? warp : 2 * warp;            // row indices within the item
         const int rb = pair ? h.w + warp : ra + 1;
         const bool va = (pair ? warp : ra) < h.w, vb = pair ? va : rb < h.w;
+        const int lane = h.x >> 2;
+        const int r0 = h.z + ra, r1 = h.z + rb;
+        // epilogue inputs of a last slice, read before the dot products (same order of additions as the reference)
+        float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;
+        const u16* bias = (const u16*)sg[SEG_BIAS];
+        const float* res = (const float*)sg[SEG_RES];
+        if ((g.z & IT_LAST) && !pair && ln == 0 && va) {
+            if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]); }
+            if (res) { const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
+        }
         if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; }
-        const u32 slot = q % NSLOTS;
-        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
         if (va) {
             const int n8 = g.y >> 3;
             const uint4* wa = (const uint4*)ring_slot(q) + ra * n8;
@@ -467,25 +594,26 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
         }
         // every consumer thread releases the slot itself: an arrive orders only its own thread's
         // reads before the next bulk copy into the slot (a warp-level sync + one arrive does not)
+#ifdef ARRIVE_WARP  // experiment: one arrive per warp after a warp sync (racecheck flags it)
+        __syncwarp();
+        if (ln == 0) mbar_arrive(&empty_bar[slot]);
+#else
         mbar_arrive(&empty_bar[slot]);
+#endif
         if (!(g.z & IT_LAST)) continue;
         acc0 = warp_sum(acc0);
         acc1 = warp_sum(acc1);
         if (ln != 0 || !va) continue;
-        const int lane = h.x >> 2;
         float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
         if ((flags & MVF_LOGITS) && c.logits_mode)
-            out = (float*)c.run[R_LOGITS_ALL] + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
+            out = c.logits_all + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
         if (pair) {
-            out[h.z + warp] = acc0 / (1.0f + expf(-acc0)) * acc1;
+            out[r0 - ra + warp] = acc0 / (1.0f + expf(-acc0)) * acc1;
             continue;
         }
-        const int r0 = h.z + ra, r1 = h.z + rb;
         float y0 = acc0, y1 = acc1;
-        const u16* bias = (const u16*)sg[SEG_BIAS];
-        const float* res = (const float*)sg[SEG_RES];
-        if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; y0 += bf2f(bb[r0]); if (vb) y1 += bf2f(bb[r1]); }
-        if (res) { const float* rr = res + lane * sg[SEG_RESL]; y0 += ldf(rr + r0); if (vb) y1 += ldf(rr + r1); }
+        if (bias) { y0 += b0; if (vb) y1 += b1; }
+        if (res) { y0 += e0; if (vb) y1 += e1; }
         out[r0] = y0;
         if (vb) out[r1] = y1;
         if (flags & MVF_ARGMAX) {  // NaN never wins; ties go to the lower index
@@ -551,6 +679,40 @@ __device__ __forceinline__ void att_issue(u16* Kb, u16* Vb, const u16* kc, const
     cp_commit();
 }
 
+// Shared memory of the attention stage (schedule._attn_stage sizes it): q and running output
+// [G][hd], new key / value [hd], scores [G][ATT_SUB], P.V partials NT * 8, then the K/V buffers.
+__device__ __forceinline__ u16* att_kvbuf(const Ctx& c) {
+    const int G = (int)c.st[AT_H] / (int)c.st[AT_HKV], hd = (int)c.st[AT_HD];
+    return (u16*)(c.sm + 2 * G * hd + 2 * hd + G * ATT_SUB + NT * 8);
+}
+// Issue tile t's first two K/V sub-chunks (two cp.async groups). They depend on nothing in this
+// token (the new position is left out; its tile writes it), so the stage issues the first tile's
+// before it waits for q.
+__device__ void att_issue_first(const Ctx& c, int t) {
+    const i64* st = c.st;
+    const int Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD], T = (int)st[AT_T];
+    int start, nch, csz;
+    att_chunks(st, c.pos, start, nch, csz);
+    const int ch = t % nch, g = (t / nch) % Hkv, l = t / (nch * Hkv);
+    const int p0 = start + ch * csz, p1 = min(p0 + csz, c.pos + 1);
+    const int nsub = (p1 - p0 + ATT_SUB - 1) / ATT_SUB;
+    const int skip = (st[AT_KNEW] != 0 && p1 == c.pos + 1) ? c.pos : -1;
+    const u16* kc = (const u16*)st[AT_KC] + ((i64)(l * Hkv + g) * T) * hd;
+    const u16* vc = (const u16*)st[AT_VC] + ((i64)(l * Hkv + g) * T) * hd;
+    const int RS = hd + 8;
+    u16* kvb = att_kvbuf(c);
+    for (int s = 0; s < 2; ++s) {
+        u16* Kb = kvb + (s * 2) * ATT_SUB * RS;
+        if (s < nsub) att_issue(Kb, Kb + ATT_SUB * RS, kc, vc, p0 + s * ATT_SUB, min(p0 + (s + 1) * ATT_SUB, p1), skip, hd, RS);
+        else cp_commit();
+    }
+}
+__device__ __forceinline__ int att_ntiles(const Ctx& c) {
+    int start, nch, csz;
+    att_chunks(c.st, c.pos, start, nch, csz);
+    return (int)c.st[AT_L] * (int)c.st[AT_HKV] * nch;
+}
+
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that the
 // tiles roughly fill the grid. A tile streams its chunk's K/V through shared memory in
 // sub-chunks of ATT_SUB positions (cp.async, two in flight), with a running (online) softmax per
@@ -584,7 +746,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
     float* ob = vn + hd;                   // [G][hd] running output
     float* sc = ob + GH;                   // [G][ATT_SUB] scores -> probabilities
     float* red = sc + G * ATT_SUB;         // [nsplit][G][hd] P.V partials (NT * 8 floats); chunk (m, l) at combine
-    u16* kvb = (u16*)(red + NT * 8);       // [2 buffers][K, V][ATT_SUB][RS] bf16
+    u16* kvb = att_kvbuf(c);               // [2 buffers][K, V][ATT_SUB][RS] bf16 (= red + NT * 8)
     __shared__ float s_m[8], s_l[8], s_a[8];
     __shared__ int s_last;
     const float* costab = (const float*)st[AT_COS];
@@ -602,12 +764,8 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         const int skip = own ? pos : -1;
         u16* kc = (u16*)st[AT_KC] + ((i64)(l * Hkv + g) * T) * hd;
         u16* vc = (u16*)st[AT_VC] + ((i64)(l * Hkv + g) * T) * hd;
-        // the cache rows first (they depend on nothing in this token), two sub-chunks in flight
-        for (int s = 0; s < 2; ++s) {
-            u16* Kb = kvb + (s * 2) * ATT_SUB * RS;
-            if (s < nsub) att_issue(Kb, Kb + ATT_SUB * RS, kc, vc, p0 + s * ATT_SUB, min(p0 + (s + 1) * ATT_SUB, p1), skip, hd, RS);
-            else cp_commit();
-        }
+        // the cache rows first, two sub-chunks in flight (the first tile's were issued before the wait)
+        if (t != (int)blockIdx.x) att_issue_first(c, t);
         // queries of this kv head's group, new key / value
         const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * GH;
         for (int i = tid; i < GH; i += NT) { q[i] = ldf(qsrc + i); ob[i] = 0.f; }
@@ -621,6 +779,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         if (ropeq && warp < G) rope_vec(q + warp * hd, hd, ropeq, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
         if (own && ropek && warp == NW - 1) rope_vec(kn, hd, ropek, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
         csync();
+        TMARK(c, 10);
         if (own) {
             for (int i = tid; i < hd; i += NT) {
                 u16 kb = f2bf(kn[i]);
@@ -637,6 +796,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             if (own && pos >= a && pos < a + cnt)
                 for (int i = tid; i < hd; i += NT) { Kb[(pos - a) * RS + i] = f2bf(kn[i]); Vb[(pos - a) * RS + i] = f2bf(vn[i]); }
             csync();
+            if (s == 0) TMARK(c, 11);
             // scores: lpr lanes per K row, reduced by shuffles within the row's lanes
             for (int gi = 0; gi < G; ++gi) {
                 float4 qa = make_float4(0.f, 0.f, 0.f, 0.f), qb = qa;
@@ -696,6 +856,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             else cp_commit();
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
+        TMARK(c, 12);
         for (int i = tid; i < GH; i += NT) {
             const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
             if (nch == 1 && combine) {
@@ -708,6 +869,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 }
             }
         }
+        TMARK(c, 13);
         if (nch > 1 && combine) {
             csync();
             u32* ticket = (u32*)st[AT_TICKET] + l * Hkv + g;
@@ -1002,12 +1164,15 @@ __device__ __noinline__ void run_sample(Ctx& c) {
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     __shared__ float red[NW + 2];
+    __shared__ i64 s_desc[2][NSLOT];  // this stage's and the previous stage's descriptors
+    __shared__ int4 s_blk[2];         // and this block's share of them (schedule.stream_list block info)
+    const int4* binfo = (const int4*)run[R_BINFO];
     Ctx c;
     c.run = run;
-    c.counters = counters;
+    c.logits_all = (float*)run[R_LOGITS_ALL];
+    c.nst = nst;
     c.sm = (float*)smem4;
     c.red = red;
-    c.nb = gridDim.x;
     c.P = (int)run[R_PROMPT_LEN];
     c.logits_mode = (int)run[R_LOGITS_MODE];
     c.skipmask = (int)run[R_SKIP];
@@ -1016,35 +1181,62 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     const int* prompt = (const int*)run[R_PROMPT];
     const u32 nb = gridDim.x;
     if (threadIdx.x == 0) {
+#ifdef ARRIVE_WARP
+        for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], NW); }
+#else
         for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], NT); }
+#endif
         s_done = 0;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the last barrier of all NTHREADS: from here on the producer warp goes its own way
     if (threadIdx.x >= NT) {
-        if (threadIdx.x == NT) produce(stages, nst, c);
+        produce(c);
         return;
     }
     u32 q = 0;  // ring items consumed (the same count in every consumer thread)
+    // Descriptors are read from shared memory: a global read after a wait would put an L2 round
+    // trip on the critical path. The next stage's row is loaded while this one runs.
+    const int tid = threadIdx.x;
+    if (tid < NSLOT) s_desc[0][tid] = stages[tid];
+    if (tid == NSLOT) s_blk[0] = binfo[blockIdx.x];
+    u32 sd = 0;  // stages run so far: s_desc[sd & 1] is the current one
+    csync();
     for (int it = 0;; ++it) {
         c.it = it;
         c.pos = start_pos + it;
-        for (int s = 0; s < nst; ++s) {
-            const i64* st = stages + (i64)s * NSLOT;
+        for (int s = 0; s < nst; ++s, ++sd) {
+            const i64* st = s_desc[sd & 1];
             c.st = st;
+            c.prev = s_desc[(sd + 1) & 1];
+            c.blk = s_blk[sd & 1];
+            const int sn = s + 1 < nst ? s + 1 : 0;
+            const i64 next_row = tid < NSLOT ? stages[(i64)sn * NSLOT + tid] : 0;
+            const int4 next_blk = tid == NSLOT ? binfo[sn * gridDim.x + blockIdx.x] : make_int4(0, 0, 0, 0);
             const int type = (int)st[S_TYPE];
             const u32* wctr = s > 0 ? counters + s - 1 : counters + nst - 1;
-            const u32 wtarget = s > 0 ? nb * (u32)(it + 1) : nb * (u32)it;
+            const u32 wtarget = (c.skipmask >> 6) & 1 ? 0u : s > 0 ? nb * (u32)(it + 1) : nb * (u32)it;  // bit 6: stream only
             if (s == 0) c.tok = it < c.P ? prompt[it] : (int)ldi64(run + R_TOK);  // written before the previous iteration's last wait
+#ifdef TRACE
+            c.tr = trace_row(run, it, s, nst);
+            if (c.tr && threadIdx.x == 0) { u32 sm; asm("mov.u32 %0, %%smid;" : "=r"(sm)); c.tr[7] = sm; }
+#endif
+            TMARK(c, 0);
             const bool skipk = type == ST_MATVEC ? !mv_runs(st, it, c) : (c.skipmask >> type) & 1;
-            if (skipk) wait_counter(wctr, wtarget);
+            if (type == ST_ATTN && !skipk && (int)blockIdx.x < att_ntiles(c)) att_issue_first(c, blockIdx.x);
+            if (skipk || type != ST_MATVEC) { wait_counter(wctr, wtarget); TMARK(c, 1); TMARK(c, 2); }
+            if (skipk) { }
             else if (type == ST_MATVEC) run_matvec(c, q, wctr, wtarget);
-            else if (type == ST_ATTN) { wait_counter(wctr, wtarget); run_attention(c); }
-            else if (type == ST_EW) { wait_counter(wctr, wtarget); run_ew(c); }
-            else if (type == ST_SAMPLE) { wait_counter(wctr, wtarget); run_sample(c); }
+            else if (type == ST_ATTN) run_attention(c);
+            else if (type == ST_EW) run_ew(c);
+            else if (type == ST_SAMPLE) run_sample(c);
+            if (tid < NSLOT) s_desc[(sd + 1) & 1][tid] = next_row;  // nobody reads c.prev after a stage's loader
+            if (tid == NSLOT) s_blk[(sd + 1) & 1] = next_blk;
             csync();
+            TMARK(c, 3);
             // release: every write of this block (ordered by the barrier) is visible before the count
             if (threadIdx.x == 0) red_release(counters + s, 1u);
+            TMARK(c, 9);
         }
         wait_counter(counters + nst - 1, nb * (u32)(it + 1));
         if (ldi64(run + R_STOP)) break;

@@ -1,0 +1,118 @@
+"""Where a token's time goes, stage by stage: a TRACE build of the kernel records globaltimer
+timestamps per (token, stage, block) for 4 tokens (decode.cu, "trace"); this script runs a
+request on a preset with random weights and prints, per stage, how long its critical chain took
+and why (waiting for the previous stage, loading the input, the block's own work, the weight
+producer stalling on a full ring). The raw array is saved for a closer look.
+
+    python3 -m kog_nvidia_hopper.trace --preset bench-2b --at 200 [--save trace.npz]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+FIELDS = ("entered", "waited", "loaded", "done", "p_reached", "p_last_issue", "p_wait_ns", "smid",
+          "c_wait_ns", "released", "att_qkv", "att_kv_landed", "att_loop_done", "att_written")
+
+
+def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
+    """Text report of a trace [token, stage, block, 8] (ns). Times are medians over the tokens.
+    Per stage: chain = last block done - previous stage's last block done; lat = median block's
+    wait end - previous last done (signal propagation); load/work = median block; spread = last
+    done - median done (imbalance); p_ahead = how long before the median block got its input the
+    producer had reached the stage; p_stall = producer time blocked on a full ring; c_wait = consumer
+    time blocked on an empty slot (data not landed); rel = the release's own time. Attention stages
+    also get their phases (blocks with a tile): q/k/v loaded + RoPE, first K/V, loop, partials."""
+    tr = tr.astype(np.int64)
+    ntok, nst, nb, _ = tr.shape
+    rows = []
+    for k in range(ntok):
+        t = tr[k]
+        if not t[:, :, 3].all():
+            continue
+        prev_done = t[-1, :, 3].max() if k == 0 else tr[k - 1, -1, :, 3].max()
+        r = []
+        for s in range(nst):
+            done = t[s, :, 3]
+            chain = done.max() - prev_done
+            lat = np.median(t[s, :, 1]) - prev_done
+            load = np.median(t[s, :, 2] - t[s, :, 1])
+            work = np.median(done - t[s, :, 2])
+            spread = done.max() - np.median(done)
+            reached = t[s, :, 4]
+            ahead = np.median(t[s, :, 1] - reached) if reached.any() else 0
+            stall = np.median(t[s, :, 6]) if reached.any() else 0
+            last = int(np.argmax(done))
+            cwait = np.median(t[s, :, 8])
+            rel = np.median(t[s, :, 9] - done) if t[s, :, 9].any() else 0
+            tiles = t[s, :, 10] > 0
+            if tiles.any():
+                tt = t[s][tiles]
+                ph = [np.median(tt[:, 10] - tt[:, 1]), np.median(tt[:, 11] - tt[:, 10]),
+                      np.median(tt[:, 12] - tt[:, 11]), np.median(tt[:, 13] - tt[:, 12]), np.median(tt[:, 3] - tt[:, 13])]
+            else:
+                ph = [0] * 5
+            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7])))
+            prev_done = done.max()
+        rows.append(r)
+    if not rows:
+        return ["trace: no complete token recorded (was the request long enough?)"]
+    a = np.median(np.asarray(rows, np.float64), axis=0) / 1e3  # us
+    out = [f"{'stage':>5s} {'label':24s} {'chain':>7s} {'lat':>6s} {'load':>6s} {'work':>7s} {'spread':>7s} "
+           f"{'p_ahead':>8s} {'p_stall':>8s} {'c_wait':>7s} {'rel':>6s} {'last SM':>7s}"]
+    for s in range(nst):
+        c = a[s]
+        line = (f"{s:5d} {labels[s][:24]:24s} {c[0]:7.2f} {c[1]:6.2f} {c[2]:6.2f} {c[3]:7.2f} {c[4]:7.2f} "
+                f"{c[5]:8.2f} {c[6]:8.2f} {c[7]:7.2f} {c[8]:6.2f} {int(c[14] * 1e3):7d}")
+        if c[9:14].any():
+            line += "  attention phases " + " / ".join(f"{v:.2f}" for v in c[9:14])
+        out.append(line)
+    by = {}
+    for s in range(nst):
+        key = labels[s].split("[")[0] + ("[" + labels[s].split("[")[1] if "[" in labels[s] else "")
+        by.setdefault(key, np.zeros(7))
+        by[key] += a[s, :7]
+    out.append(f"token: {a[:, 0].sum():.1f} us; by stage kind (sum of chain / lat / load / work / spread / p_stall):")
+    for key, v in sorted(by.items(), key=lambda kv: -kv[1][0]):
+        out.append(f"  {key[:40]:40s} {v[0]:8.1f} {v[1]:7.1f} {v[2]:7.1f} {v[3]:8.1f} {v[4]:7.1f} {v[6]:8.1f}")
+    last_sms = [int(r[14]) for r in np.asarray(rows)[0]]
+    vals, counts = np.unique(last_sms, return_counts=True)
+    out.append("most often last SM (token 0): " + ", ".join(f"{v}x{c}" for v, c in sorted(zip(vals, counts), key=lambda x: -x[1])[:5]))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="bench-2b")
+    ap.add_argument("--at", type=int, default=200, help="first traced token iteration")
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--save", default=None)
+    a = ap.parse_args()
+    os.environ["KOG_HOPPER_TRACE"] = str(a.at)
+    from kog_core.interfaces import SamplingParams, StopCriteria
+    from .backend import HopperBackend
+    from .bench import build, random_bf16_weights
+    from .plugin import CAPABILITIES
+    arch, prog = build(a.preset, a.context)
+    w = random_bf16_weights(arch)
+    hb = HopperBackend()
+    hb.capabilities = CAPABILITIES
+    hb.load(prog, w)
+    del w
+    prompt = [1, 2, 3, 4]
+    hb.generate_timed(prompt, SamplingParams(), StopCriteria(max_tokens=a.tokens))
+    _, ttft, total = hb.generate_timed(prompt, SamplingParams(), StopCriteria(max_tokens=a.tokens))
+    tr = hb.read_trace()
+    labels = hb.stage_summary()
+    if a.save:
+        np.savez_compressed(a.save, trace=tr, labels=np.asarray(labels))
+    print(f"{a.preset}: {(a.tokens - 1) / (total - ttft):.1f} tok/s (trace build), variant {hb.variant}")
+    print("\n".join(summarize(tr, labels)))
+    hb.close()
+
+
+if __name__ == "__main__":
+    main()
