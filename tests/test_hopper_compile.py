@@ -205,6 +205,13 @@ def test_tuning_knobs_reject_malformed_values_in_one_line(monkeypatch):
             _env_int("KOG_HOPPER_SLOT_KB", 32)
         assert "\n" not in str(e.value) and "KOG_HOPPER_SLOT_KB" in str(e.value)
     monkeypatch.setenv("KOG_HOPPER_PREFETCH", "0")
+    assert _env_int("KOG_HOPPER_PREFETCH", 0, lo=0, hi=32) == 0
+    for bad in ("33", "x"):
+        monkeypatch.setenv("KOG_HOPPER_PREFETCH", bad)
+        with pytest.raises(KogError) as e:
+            _env_int("KOG_HOPPER_PREFETCH", 0, lo=0, hi=32)
+        assert "\n" not in str(e.value) and "0 to 32" in str(e.value)
+    monkeypatch.setenv("KOG_HOPPER_PREFETCH", "0")
     assert _env_int("KOG_HOPPER_PREFETCH", 4, lo=0, hi=32) == 0
     monkeypatch.setenv("KOG_HOPPER_PREFETCH", "33")
     with pytest.raises(KogError):
@@ -242,6 +249,12 @@ def test_stream_list_gives_each_block_its_items_in_stage_order():
                for e in ent[offs[blk]:offs[blk + 1]]]
         assert got == want and len(got) > 0
     assert not binfo[[1, 2, 4]].any()
+    # a stage followed by attention flags each block's first item of it (SE_ATT_NEXT = 4)
+    lst2, _ = S.stream_list([(0, plans[0], a.segs, bases[0], 0, True)], nb, 2)
+    ent2 = lst2[head:].reshape(-1, S.SE_WORDS)
+    firsts = {int(o) for o in lst2[:nb]}
+    for i, e in enumerate(ent2):
+        assert bool(e[3] & 4) == (i in firsts)
 
 
 def test_trace_build_compiles():

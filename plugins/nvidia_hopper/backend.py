@@ -156,7 +156,9 @@ class HopperBackend(KernelBackend):
                 packed = S.pack_stage_weights(plan, self.nb, st.segs, lambda name: _to_bf16_bits(weights[name]))
                 st.f["MV_PACKED"] = self._upload(packed)
                 del packed
-                streamed.append((si, plan, st.segs, st.f["MV_PACKED"], st.f["MV_FLAGS"]))
+                att_next = (si + 1 < len(stages) and stages[si + 1].type == "attn"
+                            and _env_int("KOG_HOPPER_ATT_PREFETCH", 0, lo=0, hi=1) == 1)  # measured no gain: off
+                streamed.append((si, plan, st.segs, st.f["MV_PACKED"], st.f["MV_FLAGS"], att_next))
                 st.smem = xbytes
                 if "_attn_stage" in st.f:  # its input combines the attention's chunks (decode.cu mv_load_attn)
                     if st.f["_attn_stage"] != si - 1:
@@ -392,7 +394,8 @@ class HopperBackend(KernelBackend):
         steps = len(prompt) + n_tokens - 1
         variants = {"full": 0, "no attention": 1 << 2, "no LM head": 1 << 5, "no layer matvecs": 1 << 1,
                     "no elementwise": 1 << 3, "sync only (no matvec/attention/LM head)": (1 << 1) | (1 << 2) | (1 << 3) | (1 << 5),
-                    "stream only (no waits between stages)": 1 << 6}
+                    "stream only (no waits between stages)": 1 << 6,
+                    "weights only (no waits, input loads, attention)": (1 << 6) | (1 << 7) | (1 << 2)}
         out = {}
         for name, mask in variants.items():
             ts = [self._time_request(prompt, n_tokens, mask) for _ in range(3)]

@@ -1,12 +1,14 @@
 #!/bin/bash
 # Device-call driver (H200). Phases given as arguments, run in order, logs under $OUT:
 #   setup      install the carried wheels (.whl: kog + pydantic & co built here); always first
+#   setupold   also install .whl_old's kog (a baseline build) beside it; SITE=/tmp/site_old picks it
 #   smolpart1  keep the SmolLM2 GGUF's first half (.devcarry/smol/part.aa) in /root/smol for the next call
 #   check      selfcheck, then the GPU tests (SmolLM2 too when both GGUF halves are there)
 #   bench      `kog bench` for the three presets, default build, with the breakdown
 #   variants   bench-2b under tuning variants (KOG_HOPPER_SLOT_KB / ITEM_ROWS / STREAM=0)
 #   peer       the torch peer (.devcarry/torch_peer.py) for the same shapes
 #   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
+#   pick       export the fastest of the variants just run (KOG_HOPPER_* settings) for later phases
 #   trace      per-stage timestamps (trace.py) for TRACE_PRESETS under each of TRACE_ENVS
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
@@ -15,10 +17,12 @@ for phase in "$@"; do case $phase in
 setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >$OUT/pip.log 2>&1 || { echo "pip failed"; tail -3 $OUT/pip.log; }
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader ;;
+setupold)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_old .whl_old/*.whl $(ls .whl/*.whl | grep -v kog-) >$OUT/pip_old.log 2>&1 || { echo "pip (old) failed"; tail -3 $OUT/pip_old.log; } ;;
 smolpart1)
   mkdir -p /root/smol && cp .devcarry/smol/part.aa /root/smol/ && echo "part.aa kept" ;;
 check)
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=${SITE:-/tmp/site}
   if [ -f /root/smol/part.aa ] && [ -f .devcarry/smol/part.ab ]; then
     cat /root/smol/part.aa .devcarry/smol/part.ab > /tmp/smol.gguf
     echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" | sha256sum -c --quiet && export KOG_TEST_GGUF=/tmp/smol.gguf && echo "SmolLM2 GGUF reassembled"
@@ -26,32 +30,37 @@ check)
   echo "selfcheck: $(timeout 60 python3 -m kog_nvidia_hopper.selfcheck 2>&1 | tail -1 | cut -c1-300)"
   timeout ${CHECK_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu ${CHECK_K:+-k "$CHECK_K"} 2>&1 | tee $OUT/pytest.log | grep -E "passed|failed|FAILED|SKIPPED|Error" | cut -c1-300 ;;
 bench)
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=${SITE:-/tmp/site}
   for m in ${MODELS:-bench-2b llama-3.2-1b laneformer-2b}; do
-    timeout 120 python3 -m kog_core.cli bench --backend nvidia_hopper --model $m --random-weights --context-length 4096 > $OUT/kb_$m.log 2>&1
-    echo "== $m rc=$?"; grep -E "^(decode|bandwidth|prefill|kernel)|us/token|Error|error" $OUT/kb_$m.log | cut -c1-200
+    timeout 120 python3 -m kog_core.cli bench --backend nvidia_hopper --model $m --random-weights --context-length 4096 > $OUT/kb_${LOGTAG:-}$m.log 2>&1
+    echo "== $m rc=$?"; grep -E "^(decode|bandwidth|prefill|kernel)|us/token|Error|error" $OUT/kb_${LOGTAG:-}$m.log | cut -c1-200
   done ;;
 variants)
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=${SITE:-/tmp/site}
   for v in ${VARIANTS:-"KOG_HOPPER_SLOT_KB=16" "KOG_HOPPER_ITEM_ROWS=16" "KOG_HOPPER_SLOT_KB=48"}; do
-    env $v timeout 90 python3 -m kog_nvidia_hopper.bench --preset ${VMODEL:-bench-2b} --tokens 512 --no-breakdown > $OUT/var.log 2>&1
+    env ${v//,/ } timeout 90 python3 -m kog_nvidia_hopper.bench --preset ${VMODEL:-bench-2b} --tokens 512 --no-breakdown > $OUT/var.log 2>&1
     echo "== $v rc=$?: $(tail -1 $OUT/var.log | cut -c1-200)"
+    echo "$v $(tail -1 $OUT/var.log | awk '{print $2}')" >> $OUT/var_results.txt
   done ;;
+pick)  # export the fastest variant's settings for the phases after it
+  best=$(sort -k2 -g -r $OUT/var_results.txt | head -1 | cut -d' ' -f1)
+  for kv in ${best//,/ }; do export "$kv"; done
+  echo "picked: $best" ;;
 peer)
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=${SITE:-/tmp/site}
   for p in ${PEERS:-bench-2b llama-3.2-1b laneformer-2b-dense}; do
     timeout 110 python3 .devcarry/torch_peer.py --preset $p --tokens 512 --modes compiled > $OUT/peer_$p.log 2>&1; tail -1 $OUT/peer_$p.log | cut -c1-400
   done ;;
 sanitize)
-  export PYTHONPATH=/tmp/site
-  for tool in memcheck racecheck; do
+  export PYTHONPATH=${SITE:-/tmp/site}
+  for tool in ${SAN_TOOLS:-memcheck racecheck}; do
     timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --print-limit 10 python3 -m kog_nvidia_hopper.selfcheck > $OUT/san_$tool.log 2>&1
     echo "$tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|selfcheck ok" $OUT/san_$tool.log | tr '\n' ' ')"
   done ;;
 trace)
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=${SITE:-/tmp/site}
   for m in ${TRACE_PRESETS:-bench-2b}; do for v in ${TRACE_ENVS:-"KOG_HOPPER_PREFETCH=4"}; do
-    env $v timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m --save $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.npz > $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log 2>&1
+    env $v timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m ${TRACE_SKIP:+--skip $TRACE_SKIP} --save $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.npz > $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log 2>&1
     echo "== trace $m $v rc=$?"; head -1 $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log | cut -c1-200; grep -A12 "^token:" $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log | cut -c1-120
   done; done ;;
 esac; done

@@ -527,10 +527,12 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
     consumers in the slot's header. Layout: per-block entry ranges [nb + 1] padded to 16 bytes,
     then the entries. Block info: int32 [nst][nb][4] = (items, first lane, lanes, 0) of the block
     in each stage (zeros for stages without weights).
-    `stages`: (stage index, plan, segs, packed device address, MV_FLAGS) of every matvec stage."""
+    `stages`: (stage index, plan, segs, packed device address, MV_FLAGS[, an attention stage
+    follows]) of every matvec stage (flag bit 2 on a block's first item of such a stage)."""
     per_block: list[list] = [[] for _ in range(nb)]
     binfo = np.zeros((nst, nb, 4), np.int32)
-    for si, plan, segs, packed, mv_flags in stages:
+    for si, plan, segs, packed, mv_flags, *rest in stages:
+        att_next = bool(rest and rest[0])
         raw = plan[(3 * nb + 4) & ~3:].reshape(-1, 8)
         its = plan_items(plan, nb)
         offs = plan[:nb + 1]
@@ -540,10 +542,12 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
         flags = (1 if mv_flags & 2 else 0) | (2 if mv_flags & 1 else 0) | (si << 8)
         for b in range(nb):
             for j in range(offs[b], offs[b + 1]):
+                first_of_attn = att_next and j == offs[b]
                 seg, _, off16, _, rows, _, klen, _, _ = its[j]
                 src = int(packed) + int(off16) * 16
                 nbytes = int(rows) * int(klen) * (4 if segs[seg]["SEG_W2"] else 2)
-                per_block[b].append([src & 0xFFFFFFFF, src >> 32, nbytes, flags] + [int(v) & 0xFFFFFFFF for v in raw[j]])
+                fl = flags | (4 if first_of_attn else 0)  # SE_ATT_NEXT: prefetch the next attention's K/V
+                per_block[b].append([src & 0xFFFFFFFF, src >> 32, nbytes, fl] + [int(v) & 0xFFFFFFFF for v in raw[j]])
     head = ((nb + 4) >> 2) * 4
     counts = np.cumsum([0] + [len(e) for e in per_block])
     out = np.zeros(head + SE_WORDS * int(counts[-1]), np.uint32)

@@ -90,6 +90,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--save", default=None)
+    ap.add_argument("--skip", type=lambda v: int(v, 0), default=0,
+                    help="breakdown skip mask (backend.bench_breakdown), e.g. 0xc4: weights only")
     a = ap.parse_args()
     os.environ["KOG_HOPPER_TRACE"] = str(a.at)
     from kog_core.interfaces import SamplingParams, StopCriteria
@@ -104,12 +106,16 @@ def main():
     del w
     prompt = [1, 2, 3, 4]
     hb.generate_timed(prompt, SamplingParams(), StopCriteria(max_tokens=a.tokens))
-    _, ttft, total = hb.generate_timed(prompt, SamplingParams(), StopCriteria(max_tokens=a.tokens))
+    if a.skip:
+        total = hb._time_request(prompt, a.tokens, a.skip)
+        ttft = 0.0
+    else:
+        _, ttft, total = hb.generate_timed(prompt, SamplingParams(), StopCriteria(max_tokens=a.tokens))
     tr = hb.read_trace()
     labels = hb.stage_summary()
     if a.save:
         np.savez_compressed(a.save, trace=tr, labels=np.asarray(labels))
-    print(f"{a.preset}: {(a.tokens - 1) / (total - ttft):.1f} tok/s (trace build), variant {hb.variant}")
+    print(f"{a.preset}: {(a.tokens - 1) / (total - ttft):.1f} tok/s (trace build, skip {a.skip:#x}), variant {hb.variant}")
     print("\n".join(summarize(tr, labels)))
     hb.close()
 

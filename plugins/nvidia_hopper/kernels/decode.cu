@@ -194,6 +194,8 @@ struct Ctx {
     const i64* st;      // this stage's descriptor (a shared-memory copy)
     const i64* prev;    // the previous stage's descriptor (shared memory too)
     int4 blk;           // this block's share of a matvec stage: items, first lane, lanes
+    const i64* stages;  // every stage's descriptor (global memory)
+    int start_pos;
     i64* run;           // run parameters + state
     float* logits_all;  // logits mode: one row per position (run[R_LOGITS_ALL])
     int it, pos, tok, P, logits_mode, nst;
@@ -296,6 +298,7 @@ __device__ __forceinline__ unsigned char* ring_slot(u32 q) {
 #define SE_HEAD(nb) (((nb) + 4) >> 2)
 #define SE_SKIP_PROMPT 1  // the stage's MVF_SKIP_PROMPT
 #define SE_LOGITS 2       // the stage writes the logits (benchmark skip bit 5 rather than 1)
+#define SE_ATT_NEXT 4     // first item of a stage that an attention stage follows
 #ifndef PREFETCH
 #define PREFETCH 0        // items the L2 prefetch runs ahead of the ring's copies (0..32)
 #endif
@@ -320,6 +323,28 @@ __device__ __forceinline__ int4 shfl4(int4 v, int k) {
 }
 __device__ __forceinline__ void prefetch_l2(uint4 e) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(((u64)e.y << 32) | e.x), "r"(e.z) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+// The K/V cache rows of this block's first tile of attention stage `as` at token iteration `it`
+// (positions before the new one): asked of L2 when the producer reaches the stage before it, so
+// the tile's copies do not wait on HBM behind the weight stream.
+__device__ void att_prefetch_l2(const Ctx& c, int as, int it) {
+    const i64* st = c.stages + (i64)as * NSLOT;
+    const int pos = c.start_pos + it;
+    int start, nch, csz;
+    att_chunks(st, pos, start, nch, csz);
+    const int Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD], T = (int)st[AT_T];
+    const int t = blockIdx.x;
+    if (t >= (int)st[AT_L] * Hkv * nch) return;
+    const int ch = t % nch, g = (t / nch) % Hkv, l = t / (nch * Hkv);
+    const int p0 = start + ch * csz, p1 = min(p0 + csz, pos);
+    if (p1 <= p0) return;
+    const i64 row = ((i64)(l * Hkv + g) * T + p0) * hd;
+    const u32 bytes = (u32)(p1 - p0) * hd * 2;
+    prefetch_l2((const u16*)st[AT_KC] + row, bytes);
+    prefetch_l2((const u16*)st[AT_VC] + row, bytes);
 }
 
 // The producer warp: walk this block's stream list token after token and copy each item into the
@@ -355,6 +380,7 @@ __device__ __noinline__ void produce(const Ctx& c) {
             const u32 f = __shfl_sync(0xffffffffu, ce.copy.w, k);
             const int t = __shfl_sync(0xffffffffu, cit, k);
             if (!se_runs(f, t, c)) continue;
+            if (ln == 1 && (f & SE_ATT_NEXT)) att_prefetch_l2(c, (int)(f >> 8) + 1, t);
             const u32 lo = __shfl_sync(0xffffffffu, ce.copy.x, k), hi = __shfl_sync(0xffffffffu, ce.copy.y, k);
             const u32 bytes = __shfl_sync(0xffffffffu, ce.copy.z, k);
             const int4 ih = shfl4(ce.h, k), ig = shfl4(ce.g, k);
@@ -498,11 +524,17 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
         const float* w = wk + 2 * h * nch;
         const float4* o = (const float4*)(po + (i64)h * MAXCH * hd + d);
         float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int k = 0; k < nch; ++k) {
-            const float4 v = __ldcg(o + (i64)k * (hd >> 2));
-            const float wk_ = w[2 * k];
-            s.x = fmaf(wk_, v.x, s.x); s.y = fmaf(wk_, v.y, s.y); s.z = fmaf(wk_, v.z, s.z); s.w = fmaf(wk_, v.w, s.w);
+        for (int k0 = 0; k0 < nch; k0 += 6) {  // 6 loads in flight before any is used (a rolled loop waits on each; 8 spill)
+            float4 v[6];
+#pragma unroll
+            for (int k = 0; k < 6; ++k)
+                if (k0 + k < nch) v[k] = __ldcg(o + (i64)(k0 + k) * (hd >> 2));
+#pragma unroll
+            for (int k = 0; k < 6; ++k) {
+                if (k0 + k >= nch) break;
+                const float wk_ = w[2 * (k0 + k)];
+                s.x = fmaf(wk_, v[k].x, s.x); s.y = fmaf(wk_, v[k].y, s.y); s.z = fmaf(wk_, v[k].z, s.z); s.w = fmaf(wk_, v[k].w, s.w);
+            }
         }
         *(float4*)(x + ((i & 4) ? (K >> 1) : 0) + 4 * (i >> 3)) = s;
     }
@@ -538,7 +570,8 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
     wait_counter(wctr, wtarget);
     TMARK(c, 1);
     write_embedding(c);
-    for (int l = 0; l < nl; ++l) {
+    const int nload = (c.skipmask >> 7) & 1 ? 0 : nl;  // benchmark bit 7: no input loads (garbage x)
+    for (int l = 0; l < nload; ++l) {
         if (mode & IN_ATTN) {
             mv_load_attn(c, lane0 + l, xs + l * K, xs + nl * K);
             csync();  // the chunk weights are reused by the next lane
@@ -549,6 +582,9 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
     csync();
     TMARK(c, 2);
 
+#ifdef TRACE
+    u64 twait = 0;
+#endif
     float best = -__int_as_float(0x7f800000);
     int bidx = 0x7fffffff;
     float acc0 = 0.f, acc1 = 0.f;
@@ -559,7 +595,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
 #endif
         mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
 #ifdef TRACE
-        if (c.tr && tid == 0) c.tr[8] += gtimer() - tw;
+        if (c.tr) twait += gtimer() - tw;
 #endif
         const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
         const i64* sg = seg(st, h.x & 3);
@@ -621,6 +657,9 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
             if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
         }
     }
+#ifdef TRACE
+    if (c.tr && tid == 0) c.tr[8] = twait;
+#endif
     if (flags & MVF_ARGMAX) {  // one (max, index) partial per block
         if (ln == 0) { s_best[warp] = best; s_bidx[warp] = bidx; }
         csync();
@@ -1171,6 +1210,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     c.run = run;
     c.logits_all = (float*)run[R_LOGITS_ALL];
     c.nst = nst;
+    c.stages = stages;
     c.sm = (float*)smem4;
     c.red = red;
     c.P = (int)run[R_PROMPT_LEN];
@@ -1178,6 +1218,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     c.skipmask = (int)run[R_SKIP];
     c.it = 0;
     const int start_pos = (int)run[R_START_POS];
+    c.start_pos = start_pos;
     const int* prompt = (const int*)run[R_PROMPT];
     const u32 nb = gridDim.x;
     if (threadIdx.x == 0) {
