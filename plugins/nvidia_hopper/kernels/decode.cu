@@ -88,68 +88,41 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)a;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+struct OpSum { template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
+struct OpMax { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+template <class T, class Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, OpSum()); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce(v, OpMax()); }
 
 // Barrier of the consumer threads only (the producer warp never joins).
 __device__ __forceinline__ void csync() {
     asm volatile("bar.sync 1, %0;" :: "n"(NT) : "memory");
 }
 
-// Block-wide reductions (all threads must call; result broadcast). red: NW floats of smem.
-__device__ float block_sum(float v, float* red) {
-    v = warp_sum(v);
-    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    csync();
-    if (l == 0) red[w] = v;
-    csync();
-    float t = 0.f;
-    if (w == 0) {
-        t = l < NW ? red[l] : 0.f;
-        t = warp_sum(t);
-        if (l == 0) red[NW] = t;
-    }
-    csync();
-    return red[NW];
-}
-__device__ float block_max(float v, float* red) {
-    v = warp_max(v);
+// Block-wide reductions (all consumer threads must call; result broadcast). red: NW + 1 values of smem.
+template <class T, class Op>
+__device__ T block_reduce(T v, T identity, T* red, Op op) {
+    v = warp_reduce(v, op);
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;
     csync();
     if (l == 0) red[w] = v;
     csync();
     if (w == 0) {
-        float t = l < NW ? red[l] : -__int_as_float(0x7f800000);
-        t = warp_max(t);
+        T t = l < NW ? red[l] : identity;
+        t = warp_reduce(t, op);
         if (l == 0) red[NW] = t;
     }
     csync();
     return red[NW];
 }
-__device__ u32 block_count(u32 v, u32* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    csync();
-    if (l == 0) red[w] = v;
-    csync();
-    if (w == 0) {
-        u32 t = l < NW ? red[l] : 0u;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-        if (l == 0) red[NW] = t;
-    }
-    csync();
-    return red[NW];
-}
+__device__ float block_sum(float v, float* red) { return block_reduce(v, 0.f, red, OpSum()); }
+__device__ float block_max(float v, float* red) { return block_reduce(v, -__int_as_float(0x7f800000), red, OpMax()); }
+__device__ u32 block_count(u32 v, u32* red) { return block_reduce(v, 0u, red, OpSum()); }
 
 // ------------------------------------------------------------------------------ Philox
 __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
