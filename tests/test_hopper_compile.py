@@ -280,3 +280,14 @@ def test_trace_summary_reads_a_synthetic_trace():
     row = lines[2].split()
     assert row[1] == "attn[attention]" and float(row[2]) == 4.4  # chain us
     assert "most often last SM" in lines[-1] and "4x" in lines[-1]
+
+
+def test_eleven_consumer_warps_compile_with_more_registers():
+    """KOG_HOPPER_CONSUMER_WARPS=11: 12 warps per block, so ptxas may go past 128 registers
+    (13 warps put 4 on one register-file quadrant: 4 x 32 x 128 = 16K)."""
+    from kog_nvidia_hopper import schedule as S
+    cubin, _, rep = _compile(NT=352)
+    assert cubin[:4] == b"\x7fELF" and 128 < rep["registers"] <= 168
+    plan, _ = S.stream_plan(_plan_stage(2048, [(2048, False), (8192, True)]), 132, 11, 32768)
+    items = S.plan_items(plan, 132)
+    assert items[:, 4].max() <= 22 and items[items[:, 0] == 1, 4].max() <= 11  # 2 rows / 1 pair row per warp

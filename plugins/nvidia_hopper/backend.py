@@ -98,8 +98,12 @@ class HopperBackend(KernelBackend):
         if problems:
             raise CapabilityError("nvidia_hopper cannot run this model: " + "; ".join(problems))
         self.program = program
-        self.nthreads = S.NT + 32  # + the producer warp
-        stages = S.lower(program, self.nb)
+        # consumer warps per block: 12 by default; 11 or fewer leave 12 warps per SM, so ptxas may use
+        # 168 registers instead of 128 (register-file quadrants; perf notes v12) - an experiment
+        self.nw = _env_int("KOG_HOPPER_CONSUMER_WARPS", S.NW, lo=8, hi=S.NW)
+        self.nt = 32 * self.nw
+        self.nthreads = self.nt + 32  # + the producer warp
+        stages = S.lower(program, self.nb, self.nt)
         self.T = program.context_length
         ptr: dict[str, int] = {}
         consts = program.metadata.get("consts", {})
@@ -152,7 +156,7 @@ class HopperBackend(KernelBackend):
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
-                plan, xbytes = S.stream_plan(st, self.nb, S.NW, slot_bytes, item_rows)
+                plan, xbytes = S.stream_plan(st, self.nb, self.nw, slot_bytes, item_rows)
                 packed = S.pack_stage_weights(plan, self.nb, st.segs, lambda name: _to_bf16_bits(weights[name]))
                 st.f["MV_PACKED"] = self._upload(packed)
                 del packed
@@ -190,7 +194,7 @@ class HopperBackend(KernelBackend):
         if nslots < 2:
             raise CapabilityError(f"nvidia_hopper: the stages need {scratch} bytes of shared memory, leaving no "
                                   f"room for two {slot_bytes}-byte weight slots (try KOG_HOPPER_SLOT_KB=16)")
-        variant = dict(NT=S.NT, NSLOTS=nslots, SLOT_BYTES=slot_bytes, RING_OFF=scratch, PREFETCH=prefetch)
+        variant = dict(NT=self.nt, NSLOTS=nslots, SLOT_BYTES=slot_bytes, RING_OFF=scratch, PREFETCH=prefetch)
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None
         self.d_trace = 0
         if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)
