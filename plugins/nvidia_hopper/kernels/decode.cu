@@ -264,10 +264,11 @@ __device__ __forceinline__ unsigned char* ring_slot(u32 q) {
     return (unsigned char*)smem4 + RING_OFF + (q % NSLOTS) * SLOT_BYTES;
 }
 
-// The block's stream list (schedule.stream_list): every item of every matvec stage in the order the
-// consumers take them, 48 bytes each: source address (lo, hi), bytes, flags, then the item header.
-// Per-block ranges [nb + 1] first, entries from SE_HEAD(nb) on (uint4 units, 3 per entry). One list is one token; the producer
-// walks it again for every token, skipping the entries whose stage does not run (mv_runs).
+// The block's stream list (schedule.stream_list): every item of every matvec stage in the order
+// the consumers take them, 48 bytes each: source address (lo, hi), bytes, flags, then the item
+// header. Per-block ranges [nb + 1] first, entries from SE_HEAD(nb) on (uint4 units, 3 per
+// entry). One list is one token; the producer walks it again for every token, skipping the
+// entries whose stage does not run (mv_runs).
 #define SE_HEAD(nb) (((nb) + 4) >> 2)
 #define SE_SKIP_PROMPT 1  // the stage's MVF_SKIP_PROMPT
 #define SE_LOGITS 2       // the stage writes the logits (benchmark skip bit 5 rather than 1)
