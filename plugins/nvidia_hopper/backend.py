@@ -201,8 +201,6 @@ class HopperBackend(KernelBackend):
             variant["TRACE"] = 1
             self.trace_shape = (4, len(stages), self.nb, 16)
             self.d_trace = self._alloc(int(np.prod(self.trace_shape)) * 8)
-        if os.environ.get("KOG_HOPPER_ARRIVE_WARP") == "1":  # experiment (perf notes v10)
-            variant["ARRIVE_WARP"] = 1
         self.smem = scratch + nslots * slot_bytes
         self.variant = variant
         # compile (cached on disk) and load
@@ -407,7 +405,7 @@ class HopperBackend(KernelBackend):
         return out
 
     def read_trace(self) -> np.ndarray:
-        """The last launch's timestamps [token, stage, block, 8] (decode.cu, TRACE builds)."""
+        """The last launch's timestamps [token, stage, block, 16] (decode.cu, TRACE builds)."""
         out = np.zeros(self.trace_shape, np.uint64)
         check(self.drv.cuMemcpyDtoH(out.ctypes.data, self.d_trace, out.nbytes), "cuMemcpyDtoH(trace)")
         return out

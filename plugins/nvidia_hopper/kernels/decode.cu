@@ -604,12 +604,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
         }
         // every consumer thread releases the slot itself: an arrive orders only its own thread's
         // reads before the next bulk copy into the slot (a warp-level sync + one arrive does not)
-#ifdef ARRIVE_WARP  // experiment: one arrive per warp after a warp sync (racecheck flags it)
-        __syncwarp();
-        if (ln == 0) mbar_arrive(&empty_bar[slot]);
-#else
         mbar_arrive(&empty_bar[slot]);
-#endif
         if (!(g.z & IT_LAST)) continue;
         acc0 = warp_sum(acc0);
         acc1 = warp_sum(acc1);
@@ -1196,11 +1191,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     const int* prompt = (const int*)run[R_PROMPT];
     const u32 nb = gridDim.x;
     if (threadIdx.x == 0) {
-#ifdef ARRIVE_WARP
-        for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], NW); }
-#else
         for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], NT); }
-#endif
         s_done = 0;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
