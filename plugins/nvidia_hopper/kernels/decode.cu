@@ -401,7 +401,6 @@ drain:
 // x of each lane the block touches, in shared memory at xs + (lane - first lane) * K, split in
 // halves so that a warp's 16-byte reads are conflict-free: chunk i (x[8i..8i+7]) has its first
 // four values at float4 i of the lower half and the last four at float4 i of the upper half.
-__device__ __forceinline__ int xsplit(int e, int K) { return ((e & 4) ? (K >> 1) : 0) + ((e >> 3) << 2) + (e & 3); }
 
 #define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
 
