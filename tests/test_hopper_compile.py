@@ -291,3 +291,16 @@ def test_eleven_consumer_warps_compile_with_more_registers():
     plan, _ = S.stream_plan(_plan_stage(2048, [(2048, False), (8192, True)]), 132, 11, 32768)
     items = S.plan_items(plan, 132)
     assert items[:, 4].max() <= 22 and items[items[:, 0] == 1, 4].max() <= 11  # 2 rows / 1 pair row per warp
+
+
+def test_single_kv_buffer_frees_shared_memory_for_the_ring():
+    """KOG_HOPPER_KV_BUFFERS=1: the attention stage needs one K/V sub-chunk buffer less (so bench-2b's
+    scratch drops from 50.5 to 33 KB and 31 KB slots give a 6-slot ring), and the kernel compiles."""
+    from kog_moe_standard_tp.llama import Llama
+    from kog_moe_standard_tp.presets import BENCH_2B
+    from kog_nvidia_hopper import schedule as S
+    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    two, one = (max(st.smem for st in S.lower(prog, 132, S.NT, kb) if st.type == "attn") for kb in (2, 1))
+    assert two - one == 2 * 32 * (128 + 8) * 2 and one < 34 * 1024
+    cubin, _, rep = _compile(KV_BUFS=1)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS

@@ -103,7 +103,9 @@ class HopperBackend(KernelBackend):
         self.nw = _env_int("KOG_HOPPER_CONSUMER_WARPS", S.NW, lo=8, hi=S.NW)
         self.nt = 32 * self.nw
         self.nthreads = self.nt + 32  # + the producer warp
-        stages = S.lower(program, self.nb, self.nt)
+        # attention K/V sub-chunk buffers: 1 leaves more shared memory to the weight ring - an experiment
+        self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 2, lo=1, hi=2)
+        stages = S.lower(program, self.nb, self.nt, self.kv_bufs)
         self.T = program.context_length
         ptr: dict[str, int] = {}
         consts = program.metadata.get("consts", {})
@@ -195,6 +197,8 @@ class HopperBackend(KernelBackend):
             raise CapabilityError(f"nvidia_hopper: the stages need {scratch} bytes of shared memory, leaving no "
                                   f"room for two {slot_bytes}-byte weight slots (try KOG_HOPPER_SLOT_KB=16)")
         variant = dict(NT=self.nt, NSLOTS=nslots, SLOT_BYTES=slot_bytes, RING_OFF=scratch, PREFETCH=prefetch)
+        if self.kv_bufs != 2:
+            variant["KV_BUFS"] = self.kv_bufs
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None
         self.d_trace = 0
         if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)

@@ -106,7 +106,7 @@ def _writes_between(ops, i, j, name):
     return any(name in ops[k].outputs for k in range(i + 1, j))
 
 
-def lower(program: DecodeProgram, nb: int, nt: int = NT) -> list[Stage]:
+def lower(program: DecodeProgram, nb: int, nt: int = NT, kv_bufs: int = 2) -> list[Stage]:
     P = program
     ops = P.ops
     T = P.tensors
@@ -223,11 +223,11 @@ def lower(program: DecodeProgram, nb: int, nt: int = NT) -> list[Stage]:
         if k in ("rope", "kv_append", "attention"):
             fused = _match_attention(ops, i, T)
             if fused is not None:
-                stages.append(_attn_stage(P, ops, fused, nb, nt))
+                stages.append(_attn_stage(P, ops, fused, nb, nt, kv_bufs))
                 i = fused[-1] + 1
                 continue
         if k == "attention":
-            stages.append(_attn_stage(P, ops, [i], nb, nt))
+            stages.append(_attn_stage(P, ops, [i], nb, nt, kv_bufs))
             i += 1
             continue
         if k == "sample":
@@ -300,7 +300,7 @@ def _match_attention(ops, i, T):
     return ropes + [kva, att]
 
 
-def _attn_stage(P, ops, idxs, nb, nt):
+def _attn_stage(P, ops, idxs, nb, nt, kv_bufs=2):
     A = ops[idxs[-1]]
     T = P.tensors
     kshape = T[A.inputs[1]].shape  # [L, Hkv, T, hd]
@@ -335,9 +335,9 @@ def _attn_stage(P, ops, idxs, nb, nt):
     st = Stage("attn", f, ops=list(idxs), label="attention")
     st.f["_scratch"] = scratch
     # decode.cu run_attention: q and running output [G][hd], new k and v [hd], scores [G][ATT_SUB],
-    # P.V partials (nt * 8 floats), two double buffers of K and V sub-chunks [ATT_SUB][hd + 8] bf16
+    # P.V partials (nt * 8 floats), kv_bufs buffers (decode.cu KV_BUFS) of K and V sub-chunks [ATT_SUB][hd + 8] bf16
     sub = CONSTS["ATT_SUB"]
-    st.smem = (2 * G * hd + 2 * hd + G * sub) * 4 + nt * 8 * 4 + 2 * 2 * sub * (hd + 8) * 2 + 64
+    st.smem = (2 * G * hd + 2 * hd + G * sub) * 4 + nt * 8 * 4 + kv_bufs * 2 * sub * (hd + 8) * 2 + 64
     return st
 
 

@@ -667,7 +667,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+// K/V sub-chunk buffers of the attention (2: the next sub-chunk's copies overlap this one's math;
+// 1 leaves 17 KB more shared memory to the weight ring at hd = 128, schedule._attn_stage)
+#ifndef KV_BUFS
+#define KV_BUFS 2
+#endif
+// this thread's copies of every group but the KV_BUFS - 1 newest have landed
+__device__ __forceinline__ void cp_wait_kv() { asm volatile("cp.async.wait_group %0;" :: "n"(KV_BUFS - 1) : "memory"); }
 
 // Positions [a, b) of one kv head's K and V rows -> shared memory rows of RS bf16 (hd + 8: the
 // pad keeps a warp's 16-byte reads of two rows on different banks); row `skip` (the new
@@ -692,7 +698,7 @@ __device__ __forceinline__ u16* att_kvbuf(const Ctx& c) {
     const int G = (int)c.st[AT_H] / (int)c.st[AT_HKV], hd = (int)c.st[AT_HD];
     return (u16*)(c.sm + 2 * G * hd + 2 * hd + G * ATT_SUB + NT * 8);
 }
-// Issue tile t's first two K/V sub-chunks (two cp.async groups). They depend on nothing in this
+// Issue tile t's first KV_BUFS K/V sub-chunks (KV_BUFS cp.async groups). They depend on nothing in this
 // token (the new position is left out; its tile writes it), so the stage issues the first tile's
 // before it waits for q.
 __device__ void att_issue_first(const Ctx& c, int t) {
@@ -708,7 +714,7 @@ __device__ void att_issue_first(const Ctx& c, int t) {
     const u16* vc = (const u16*)st[AT_VC] + ((i64)(l * Hkv + g) * T) * hd;
     const int RS = hd + 8;
     u16* kvb = att_kvbuf(c);
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < KV_BUFS; ++s) {
         u16* Kb = kvb + (s * 2) * ATT_SUB * RS;
         if (s < nsub) att_issue(Kb, Kb + ATT_SUB * RS, kc, vc, p0 + s * ATT_SUB, min(p0 + (s + 1) * ATT_SUB, p1), skip, hd, RS);
         else cp_commit();
@@ -722,7 +728,7 @@ __device__ __forceinline__ int att_ntiles(const Ctx& c) {
 
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that the
 // tiles roughly fill the grid. A tile streams its chunk's K/V through shared memory in
-// sub-chunks of ATT_SUB positions (cp.async, two in flight), with a running (online) softmax per
+// sub-chunks of ATT_SUB positions (cp.async, KV_BUFS in flight), with a running (online) softmax per
 // query head; partial (m, l, o) go to a scratch buffer and the last tile of a (lane, kv head) to
 // finish (atomic ticket) combines them. The chunk holding `pos` also applies RoPE to the new key
 // and writes the new K/V (bf16) into the cache.
@@ -753,7 +759,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
     float* ob = vn + hd;                   // [G][hd] running output
     float* sc = ob + GH;                   // [G][ATT_SUB] scores -> probabilities
     float* red = sc + G * ATT_SUB;         // [nsplit][G][hd] P.V partials (NT * 8 floats); chunk (m, l) at combine
-    u16* kvb = att_kvbuf(c);               // [2 buffers][K, V][ATT_SUB][RS] bf16 (= red + NT * 8)
+    u16* kvb = att_kvbuf(c);               // [KV_BUFS][K, V][ATT_SUB][RS] bf16 (= red + NT * 8)
     __shared__ float s_m[8], s_l[8], s_a[8];
     __shared__ int s_last;
     const float* costab = (const float*)st[AT_COS];
@@ -771,7 +777,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         const int skip = own ? pos : -1;
         u16* kc = (u16*)st[AT_KC] + ((i64)(l * Hkv + g) * T) * hd;
         u16* vc = (u16*)st[AT_VC] + ((i64)(l * Hkv + g) * T) * hd;
-        // the cache rows first, two sub-chunks in flight (the first tile's were issued before the wait)
+        // the cache rows first, KV_BUFS sub-chunks in flight (the first tile's were issued before the wait)
         if (t != (int)blockIdx.x) att_issue_first(c, t);
         // queries of this kv head's group, new key / value
         const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * GH;
@@ -797,9 +803,9 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         }
         for (int s = 0; s < nsub; ++s) {
             const int a = p0 + s * ATT_SUB, cnt = min(ATT_SUB, p1 - a);
-            u16* Kb = kvb + ((s & 1) * 2) * ATT_SUB * RS;
+            u16* Kb = kvb + ((s % KV_BUFS) * 2) * ATT_SUB * RS;
             u16* Vb = Kb + ATT_SUB * RS;
-            cp_wait_1();  // this thread's copies of sub-chunk s have landed
+            cp_wait_kv();  // this thread's copies of sub-chunk s have landed
             if (own && pos >= a && pos < a + cnt)
                 for (int i = tid; i < hd; i += NT) { Kb[(pos - a) * RS + i] = f2bf(kn[i]); Vb[(pos - a) * RS + i] = f2bf(vn[i]); }
             csync();
@@ -858,8 +864,8 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 for (int k = 0; k < nsplit; ++k) o += red[k * GH + i];
                 ob[i] = ob[i] * s_a[i / hd] + o;
             }
-            csync();  // buffer (s & 1) and red are free again
-            if (s + 2 < nsub) att_issue(Kb, Vb, kc, vc, a + 2 * ATT_SUB, min(a + 3 * ATT_SUB, p1), skip, hd, RS);
+            csync();  // buffer (s % KV_BUFS) and red are free again
+            if (s + KV_BUFS < nsub) att_issue(Kb, Vb, kc, vc, a + KV_BUFS * ATT_SUB, min(a + (KV_BUFS + 1) * ATT_SUB, p1), skip, hd, RS);
             else cp_commit();
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
