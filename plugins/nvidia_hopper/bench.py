@@ -44,17 +44,22 @@ def build(preset_name, context):
     return arch, prog
 
 
-def run(preset, tokens, context, breakdown=True):
-    from kog_core.interfaces import SamplingParams, StopCriteria
+def load_preset(preset, context):
+    """(program, HopperBackend loaded with the preset's random bf16 weights)."""
     from kog_nvidia_hopper.backend import HopperBackend
     from kog_nvidia_hopper.plugin import CAPABILITIES
-    t0 = time.time()
     arch, prog = build(preset, context)
     w = random_bf16_weights(arch)
     hb = HopperBackend()
     hb.capabilities = CAPABILITIES
     hb.load(prog, w)
-    del w
+    return prog, hb
+
+
+def run(preset, tokens, context, breakdown=True):
+    from kog_core.interfaces import SamplingParams, StopCriteria
+    t0 = time.time()
+    prog, hb = load_preset(preset, context)
     t_load = time.time() - t0
     desc = hb.describe()
     prompt = [1, 2, 3, 4]

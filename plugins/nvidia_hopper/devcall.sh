@@ -5,7 +5,7 @@
 #   smolpart1  keep the SmolLM2 GGUF's first half (.devcarry/smol/part.aa) in /root/smol for the next call
 #   check      selfcheck, then the GPU tests (SmolLM2 too when both GGUF halves are there)
 #   bench      `kog bench` for the three presets, default build, with the breakdown
-#   variants   bench-2b under tuning variants (KOG_HOPPER_SLOT_KB / ITEM_ROWS / STREAM=0)
+#   variants   bench-2b under tuning variants (VARIANTS: KOG_HOPPER_* settings, comma-joined per variant)
 #   peer       the torch peer (.devcarry/torch_peer.py) for the same shapes
 #   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
 #   pick       export the fastest of the variants just run (KOG_HOPPER_* settings) for later phases
@@ -59,8 +59,9 @@ sanitize)
   done ;;
 trace)
   export PYTHONPATH=${SITE:-/tmp/site}
-  for m in ${TRACE_PRESETS:-bench-2b}; do for v in ${TRACE_ENVS:-"KOG_HOPPER_PREFETCH=4"}; do
-    env $v timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m ${TRACE_SKIP:+--skip $TRACE_SKIP} --save $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.npz > $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log 2>&1
-    echo "== trace $m $v rc=$?"; head -1 $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log | cut -c1-200; grep -A12 "^token:" $OUT/trace_${m}_${v//[^A-Za-z0-9]/_}.log | cut -c1-120
+  for m in ${TRACE_PRESETS:-bench-2b}; do for v in ${TRACE_ENVS:-"KOG_HOPPER_PREFETCH=0"}; do
+    f=$OUT/trace_${m}_${v//[^A-Za-z0-9]/_}
+    env ${v//,/ } timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m ${TRACE_SKIP:+--skip $TRACE_SKIP} --save $f.npz > $f.log 2>&1
+    echo "== trace $m $v rc=$?"; head -1 $f.log | cut -c1-200; grep -A12 "^token:" $f.log | cut -c1-120
   done; done ;;
 esac; done

@@ -13,12 +13,10 @@ import os
 
 import numpy as np
 
-FIELDS = ("entered", "waited", "loaded", "done", "p_reached", "p_last_issue", "p_wait_ns", "smid",
-          "c_wait_ns", "released", "att_qkv", "att_kv_landed", "att_loop_done", "att_written")
-
 
 def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
-    """Text report of a trace [token, stage, block, 8] (ns). Times are medians over the tokens.
+    """Text report of a trace [token, stage, block, 16] (ns; fields: decode.cu "trace"). Times
+    are medians over the tokens.
     Per stage: chain = last block done - previous stage's last block done; lat = median block's
     wait end - previous last done (signal propagation); load/work = median block; spread = last
     done - median done (imbalance); p_ahead = how long before the median block got its input the
@@ -71,9 +69,7 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
         out.append(line)
     by = {}
     for s in range(nst):
-        key = labels[s].split("[")[0] + ("[" + labels[s].split("[")[1] if "[" in labels[s] else "")
-        by.setdefault(key, np.zeros(7))
-        by[key] += a[s, :7]
+        by[labels[s]] = by.get(labels[s], 0) + a[s, :7]
     out.append(f"token: {a[:, 0].sum():.1f} us; by stage kind (sum of chain / lat / load / work / spread / p_stall):")
     for key, v in sorted(by.items(), key=lambda kv: -kv[1][0]):
         out.append(f"  {key[:40]:40s} {v[0]:8.1f} {v[1]:7.1f} {v[2]:7.1f} {v[3]:8.1f} {v[4]:7.1f} {v[6]:8.1f}")
@@ -95,15 +91,8 @@ def main():
     a = ap.parse_args()
     os.environ["KOG_HOPPER_TRACE"] = str(a.at)
     from kog_core.interfaces import SamplingParams, StopCriteria
-    from .backend import HopperBackend
-    from .bench import build, random_bf16_weights
-    from .plugin import CAPABILITIES
-    arch, prog = build(a.preset, a.context)
-    w = random_bf16_weights(arch)
-    hb = HopperBackend()
-    hb.capabilities = CAPABILITIES
-    hb.load(prog, w)
-    del w
+    from .bench import load_preset
+    _, hb = load_preset(a.preset, a.context)
     prompt = [1, 2, 3, 4]
     hb.generate_timed(prompt, SamplingParams(), StopCriteria(max_tokens=a.tokens))
     if a.skip:
