@@ -39,6 +39,13 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
+def _matvec_smem(stages, si: int, xbytes: int) -> int:
+    """Shared memory a matvec stage needs: its x rows, and the chunk weights when its loader combines
+    the attention's chunks (decode.cu mv_load_attn)."""
+    at = stages[stages[si].f["_attn_stage"]] if "_attn_stage" in stages[si].f else None
+    return xbytes + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
+
+
 class HopperBackend(KernelBackend):
     name = "nvidia_hopper"
 
@@ -98,13 +105,13 @@ class HopperBackend(KernelBackend):
         if problems:
             raise CapabilityError("nvidia_hopper cannot run this model: " + "; ".join(problems))
         self.program = program
-        # consumer warps per block: 12 by default; 11 or fewer leave 12 warps per SM, so ptxas may use
-        # 168 registers instead of 128 (register-file quadrants; perf notes v12) - an experiment
-        self.nw = _env_int("KOG_HOPPER_CONSUMER_WARPS", S.NW, lo=8, hi=S.NW)
+        # consumer warps per block: 11 by default (12 warps per SM leave ptxas 168 registers a thread;
+        # 13 cap it at 128 through the register-file quadrants, and the loops spill: perf notes v12, session 4)
+        self.nw = _env_int("KOG_HOPPER_CONSUMER_WARPS", S.NW_DEFAULT, lo=8, hi=S.NW)
         self.nt = 32 * self.nw
         self.nthreads = self.nt + 32  # + the producer warp
-        # attention K/V sub-chunk buffers: 1 leaves more shared memory to the weight ring - an experiment
-        self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 2, lo=1, hi=2)
+        # attention K/V sub-chunk buffers: 1 by default leaves 17 KB more shared memory to the weight ring
+        self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs)
         self.T = program.context_length
         ptr: dict[str, int] = {}
@@ -143,9 +150,9 @@ class HopperBackend(KernelBackend):
             self.argmax_tiles = tiles
             return self.argmax_ptr
 
-        slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         prefetch = _env_int("KOG_HOPPER_PREFETCH", 0, lo=0, hi=32)  # items the L2 prefetch runs ahead of the ring
-        item_rows = _env_int("KOG_HOPPER_ITEM_ROWS", 0) or None
+        # weight rows per item (0: the default, 2 per consumer warp; a warp takes at most two)
+        item_rows = _env_int("KOG_HOPPER_ITEM_ROWS", 0, lo=0, hi=2 * self.nw) or None
         rows = []
         combine = os.environ.get("KOG_HOPPER_ATTN_COMBINE", "loader")
         if combine not in ("loader", "ticket"):
@@ -153,25 +160,26 @@ class HopperBackend(KernelBackend):
         if combine == "loader":
             S.fuse_attention_combine(program, stages)
         self.d_desc = self._alloc(len(stages) * S.NSLOT * 8)  # rows point at each other (MV_ATTN)
-        streamed = []
-        for si, st in enumerate(stages):
+        for st in stages:
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
-                plan, xbytes = S.stream_plan(st, self.nb, self.nw, slot_bytes, item_rows)
+        slot_bytes, plans = self._ring_slots(stages, item_rows)
+        streamed = []
+        for si, st in enumerate(stages):
+            if st.type == "matvec":
+                plan, xbytes = plans[si]
                 packed = S.pack_stage_weights(plan, self.nb, st.segs, lambda name: _to_bf16_bits(weights[name]))
                 st.f["MV_PACKED"] = self._upload(packed)
                 del packed
                 att_next = (si + 1 < len(stages) and stages[si + 1].type == "attn"
                             and _env_int("KOG_HOPPER_ATT_PREFETCH", 0, lo=0, hi=1) == 1)  # measured no gain: off
                 streamed.append((si, plan, st.segs, st.f["MV_PACKED"], st.f["MV_FLAGS"], att_next))
-                st.smem = xbytes
+                st.smem = _matvec_smem(stages, si, xbytes)
                 if "_attn_stage" in st.f:  # its input combines the attention's chunks (decode.cu mv_load_attn)
                     if st.f["_attn_stage"] != si - 1:
                         raise KogError("nvidia_hopper: an attention combine must read the stage just before it")
-                    at = stages[st.f["_attn_stage"]]
                     st.f["MV_ATTN"] = self.d_desc + st.f["_attn_stage"] * S.NSLOT * 8
-                    st.smem += at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16  # its chunk weights
             if st.type == "attn":
                 sc = st.f.pop("_scratch")
                 st.f["AT_PART_O"] = self._alloc(sc["part_o"] * 4)
@@ -229,6 +237,25 @@ class HopperBackend(KernelBackend):
         self.cnt_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cnt))
         self.cancel_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cancel))
         self.pos = 0
+
+    def _ring_slots(self, stages, item_rows):
+        """The ring's slot size and every matvec stage's stream plan for it. KOG_HOPPER_SLOT_KB sets
+        the size; by default the shared memory the stages leave is cut into as many slots of 30-32 KB
+        as fit (six slots of 31 KB beat five of 32 on bench-2b: perf notes, session 4)."""
+        def plan_all(slot_bytes):
+            return {si: S.stream_plan(st, self.nb, self.nw, slot_bytes, item_rows)
+                    for si, st in enumerate(stages) if st.type == "matvec"}
+        slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
+        plans = plan_all(slot_bytes)
+        if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
+            need = [4096] + [st.smem for st in stages if st.type != "matvec"]
+            need += [_matvec_smem(stages, si, xbytes) for si, (_, xbytes) in plans.items()]
+            avail = self.max_smem - S.STATIC_SMEM - (max(need) + 127) // 128 * 128
+            n = avail // slot_bytes + 1
+            if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
+                slot_bytes = avail // n // 1024 * 1024
+                plans = plan_all(slot_bytes)
+        return slot_bytes, plans
 
     def _pack(self, st: S.Stage) -> np.ndarray:
         row = np.zeros(S.NSLOT, np.int64)

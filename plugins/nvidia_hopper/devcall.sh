@@ -41,11 +41,16 @@ variants)
     env ${v//,/ } timeout 90 python3 -m kog_nvidia_hopper.bench --preset ${VMODEL:-bench-2b} --tokens 512 --no-breakdown > $OUT/var.log 2>&1
     echo "== $v rc=$?: $(tail -1 $OUT/var.log | cut -c1-200)"
     echo "$v $(tail -1 $OUT/var.log | awk '{print $2}')" >> $OUT/var_results.txt
-  done ;;
-pick)  # export the fastest variant's settings for the phases after it
-  best=$(sort -k2 -g -r $OUT/var_results.txt | head -1 | cut -d' ' -f1)
+  done
+  cp $OUT/var_results.txt /root/var_results.txt ;;  # for a pick in the next call
+pick)  # export the fastest variant's settings for the phases after it, if it beats the first
+       # variant (the baseline) by more than PICK_MARGIN (a fraction, default 0)
+  [ -f $OUT/var_results.txt ] || cp /root/var_results.txt $OUT/
+  base=$(head -1 $OUT/var_results.txt | awk '{print $2}')
+  read -r best val < <(sort -k2 -g -r $OUT/var_results.txt | head -1)
+  awk "BEGIN{exit !($val > $base * (1 + ${PICK_MARGIN:-0}))}" || read -r best val < $OUT/var_results.txt
   for kv in ${best//,/ }; do export "$kv"; done
-  echo "picked: $best" ;;
+  echo "picked: $best ($val tok/s; first variant $base)" ;;
 peer)
   export PYTHONPATH=${SITE:-/tmp/site}
   for p in ${PEERS:-bench-2b llama-3.2-1b laneformer-2b-dense}; do

@@ -20,8 +20,9 @@ import numpy as np
 from kog_core.errors import CapabilityError
 from kog_core.program import DecodeProgram
 
-NT = 384        # consumer threads per block (12 warps); the block has one more warp, the weight producer
+NT = 384        # most consumer threads per block (12 warps); the block has one more warp, the weight producer
 NW = NT // 32
+NW_DEFAULT = 11  # 11 consumer warps + the producer: 12 warps per SM, so ptxas may use 168 registers (not 128)
 NSLOT = 96
 SEG_STRIDE = 12
 MAX_SEGS = 4

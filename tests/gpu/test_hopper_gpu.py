@@ -128,7 +128,18 @@ def test_stop_tokens_max_tokens_and_cancel():
     assert list(hb.generate(prompt, DefaultSampler(), SamplingParams(), StopCriteria(max_tokens=20))) == greedy
 
 
-def test_smollm2_greedy_128_equals_reference():
+# A greedy pick is a tie at bf16 accuracy when the reference's two best logits are closer than this
+# fraction of the largest |logit|: another (equally exact) order of fp32 additions, or a K/V value
+# rounding to the other bf16 neighbour, can flip it. This prompt has one such step on SmolLM2:
+# generated token 85, 24.7384 vs 24.7337 (1.9e-4 of the largest logit); the 12-warp build happened to
+# pick like the reference there, the 11-warp build (other k-slices) picks the runner-up.
+TIE = 1e-3
+
+
+def test_smollm2_greedy_128_matches_reference():
+    """Greedy 128 tokens on SmolLM2: every token the GPU picks is the reference's argmax on the same
+    prefix (teacher-forced), unless the reference's top two are a tie at bf16 accuracy; up to the
+    first such tie the two free-running sequences are equal; logits agree at every position."""
     path = os.environ.get("KOG_TEST_GGUF")
     if not path or not os.path.exists(path):
         pytest.skip("KOG_TEST_GGUF (SmolLM2-135M-Instruct.Q4_1.gguf) not available")
@@ -144,9 +155,22 @@ def test_smollm2_greedy_128_equals_reference():
     stop = StopCriteria(max_tokens=128)
     want = list(ref.generate(prompt, DefaultSampler(), SamplingParams(), stop))
     got = list(hb.generate(prompt, DefaultSampler(), SamplingParams(), stop))
-    assert got == want
-    lg, lr = hb.logits(prompt + got[:20]), ref.logits(prompt + got[:20])
-    assert max(_rel(lg[i], lr[i]) for i in range(len(lg))) < 2e-2
+    assert len(got) == len(want) == 128
+    seq = prompt + got[:-1]
+    lr, lg = ref.logits(seq), hb.logits(seq)
+    assert max(_rel(lg[i], lr[i]) for i in range(len(seq))) < 2e-2
+    ties = []
+    for i, t in enumerate(got):
+        row = lr[len(prompt) - 1 + i]
+        best = int(np.argmax(row))
+        if t != best:
+            margin = float(row[best] - row[t])
+            assert margin <= TIE * float(np.abs(row).max()), (
+                f"token {i}: GPU picked {t}, the reference {best} by {margin:.4g} (not a tie)")
+            ties.append(i)
+    first = ties[0] if ties else len(got)
+    assert got[:first] == want[:first]
+    assert len(ties) <= 2, f"ties at {ties}"
 
 
 @pytest.mark.parametrize("name", ["laneformer-replicate", "laneformer-lane"])
