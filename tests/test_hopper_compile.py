@@ -6,9 +6,9 @@ import pytest
 
 from kog_core.errors import BackendUnavailable, KogError
 
-# The default build: 11 consumer warps + the producer (12 warps a block, so up to 168 registers a
+# The default build: 10 consumer warps + the producer + the signal warp (12 warps a block, so up to 168 registers a
 # thread: the register file's quadrants cap 13 warps at 128) and one attention K/V buffer.
-DEFAULT = dict(NT=352, KV_BUFS=1)
+DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1)
 MAX_REGISTERS = 168
 # Spill bytes of the kernel entry as of 2026-12-02 (callee-save traffic of the noinline stage
 # functions and the next stage's descriptor row held across them, outside the weight-streaming
@@ -331,3 +331,10 @@ def test_ring_slots_fill_the_shared_memory_the_stages_leave(monkeypatch):
     monkeypatch.setenv("KOG_HOPPER_SLOT_KB", "32")
     slot, _ = HopperBackend._ring_slots(hb, stages, None)
     assert slot == 32 * 1024 and (hb.max_smem - S.STATIC_SMEM - scratch) // slot == 5
+
+
+def test_signal_warp_build_compiles_at_168_registers():
+    """KOG_HOPPER_SIGNAL_WARP=1 with 10 consumer warps: 12 warps a block again (so 168 registers),
+    the signal warp publishing stage completions."""
+    cubin, _, rep = _compile(NT=320, KV_BUFS=1, SIGNAL_WARP=1)
+    assert cubin[:4] == b"\x7fELF" and 128 < rep["registers"] <= MAX_REGISTERS

@@ -105,11 +105,14 @@ class HopperBackend(KernelBackend):
         if problems:
             raise CapabilityError("nvidia_hopper cannot run this model: " + "; ".join(problems))
         self.program = program
-        # consumer warps per block: 11 by default (12 warps per SM leave ptxas 168 registers a thread;
-        # 13 cap it at 128 through the register-file quadrants, and the loops spill: perf notes v12, session 4)
+        # consumer warps per block: 10 by default, with the producer and the signal warp 12 a block (12
+        # leave ptxas 168 registers a thread; 13 cap it at 128 through the register-file quadrants, and
+        # the loops spill: perf notes v12, sessions 4-5)
         self.nw = _env_int("KOG_HOPPER_CONSUMER_WARPS", S.NW_DEFAULT, lo=8, hi=S.NW)
         self.nt = 32 * self.nw
-        self.nthreads = self.nt + 32  # + the producer warp
+        # a signal warp publishes stage completions, so no consumer warp stalls on the release fence
+        self.signal_warp = _env_int("KOG_HOPPER_SIGNAL_WARP", 1, lo=0, hi=1)
+        self.nthreads = self.nt + 32 + 32 * self.signal_warp  # + the producer warp (+ the signal warp)
         # attention K/V sub-chunk buffers: 1 by default leaves 17 KB more shared memory to the weight ring
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs)
@@ -207,6 +210,8 @@ class HopperBackend(KernelBackend):
         variant = dict(NT=self.nt, NSLOTS=nslots, SLOT_BYTES=slot_bytes, RING_OFF=scratch, PREFETCH=prefetch)
         if self.kv_bufs != 2:
             variant["KV_BUFS"] = self.kv_bufs
+        if self.signal_warp:
+            variant["SIGNAL_WARP"] = 1
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None
         self.d_trace = 0
         if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)
@@ -428,7 +433,8 @@ class HopperBackend(KernelBackend):
         variants = {"full": 0, "no attention": 1 << 2, "no LM head": 1 << 5, "no layer matvecs": 1 << 1,
                     "no elementwise": 1 << 3, "sync only (no matvec/attention/LM head)": (1 << 1) | (1 << 2) | (1 << 3) | (1 << 5),
                     "stream only (no waits between stages)": 1 << 6,
-                    "weights only (no waits, input loads, attention)": (1 << 6) | (1 << 7) | (1 << 2)}
+                    "weights only (no waits, input loads, attention)": (1 << 6) | (1 << 7) | (1 << 2),
+                    "weights only, no release fences but the token's last": (1 << 6) | (1 << 7) | (1 << 2) | (1 << 8)}
         out = {}
         for name, mask in variants.items():
             ts = [self._time_request(prompt, n_tokens, mask) for _ in range(3)]

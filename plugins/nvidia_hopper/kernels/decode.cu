@@ -26,7 +26,12 @@ typedef long long i64;
 #define NT 384
 #endif
 #define NW (NT / 32)
-#define NTHREADS (NT + 32)
+// SIGNAL_WARP: one more warp that publishes the block's stage completions (the release fence and
+// counter add), so that no consumer warp stalls on the fence while the ring waits for its arrivals.
+#ifndef SIGNAL_WARP
+#define SIGNAL_WARP 0
+#endif
+#define NTHREADS (NT + 32 + 32 * SIGNAL_WARP)
 #ifndef NSLOTS
 #define NSLOTS 4
 #endif
@@ -68,6 +73,11 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 __device__ __forceinline__ void red_release(u32* p, u32 v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
 __device__ __forceinline__ u32 ld_sys(const volatile u32* p) {
     u32 v;
     asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -81,11 +91,6 @@ __device__ __forceinline__ float dot8s(uint4 w, float4 a, float4 b, float acc) {
     acc = fmaf(bf_lo(w.z), b.x, acc); acc = fmaf(bf_hi(w.z), b.y, acc);
     acc = fmaf(bf_lo(w.w), b.z, acc); acc = fmaf(bf_hi(w.w), b.w, acc);
     return acc;
-}
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
 }
 
 struct OpSum { template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
@@ -239,6 +244,7 @@ extern __shared__ float4 smem4[];
 __shared__ u64 full_bar[NSLOTS], empty_bar[NSLOTS];
 __shared__ int4 slot_hdr[NSLOTS][2];  // the item in each slot (written by the producer before the copy)
 __shared__ int s_done;  // set once by the consumers when the request ends; atomics on both sides
+__shared__ u32 s_staged;  // SIGNAL_WARP: stages this block has finished (it * nst + s + 1), for the signal warp
 
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
@@ -1174,6 +1180,24 @@ __device__ __noinline__ void run_sample(Ctx& c) {
 
 // ------------------------------------------------------------------------------ kernel
 
+// The signal warp (SIGNAL_WARP): lane 0 adds 1 to counter[s] (a gpu-scope release) for every stage
+// s the consumers finish, in order. The consumers' barrier orders their writes before thread 0's
+// fence and atomic store of s_staged; the atomic read here, followed by the release add's fence,
+// carries them on to the blocks that wait on the counter (atomics on both sides: racecheck).
+// Exits when the request ends, after the last stage's add.
+__device__ __noinline__ void signal_stages(u32* counters, int nst) {
+    if ((threadIdx.x & 31) != 0) return;
+    u32 done = 0;
+    for (;;) {
+        const u32 now = (u32)atomicAdd(&s_staged, 0u);  // the red.release below is also the acquire fence
+        if (now == done) {
+            if (atomicAdd(&s_done, 0) && (u32)atomicAdd(&s_staged, 0u) == done) return;
+            continue;
+        }
+        for (; done < now; ++done) red_release(counters + done % (u32)nst, 1u);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     __shared__ float red[NW + 2];
@@ -1198,9 +1222,14 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     if (threadIdx.x == 0) {
         for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], NT); }
         s_done = 0;
+        s_staged = 0;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the last barrier of all NTHREADS: from here on the producer warp goes its own way
+    if (SIGNAL_WARP && threadIdx.x >= NT + 32) {
+        signal_stages(counters, nst);
+        return;
+    }
     if (threadIdx.x >= NT) {
         produce(c);
         return;
@@ -1245,8 +1274,12 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             if (tid == NSLOT) s_blk[(sd + 1) & 1] = next_blk;
             csync();
             TMARK(c, 3);
-            // release: every write of this block (ordered by the barrier) is visible before the count
-            if (threadIdx.x == 0) red_release(counters + s, 1u);
+            // release: every write of this block (ordered by the barrier) is visible before the count.
+            // Benchmark bit 8 (with bit 6, no waits): only the token's last stage signals.
+            if (threadIdx.x == 0 && (!((c.skipmask >> 8) & 1) || s == nst - 1)) {
+                if (SIGNAL_WARP) { __threadfence_block(); atomicExch(&s_staged, sd + 1); }  // the signal warp adds for it
+                else red_release(counters + s, 1u);
+            }
             TMARK(c, 9);
         }
         wait_counter(counters + nst - 1, nb * (u32)(it + 1));
