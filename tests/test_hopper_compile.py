@@ -10,10 +10,10 @@ from kog_core.errors import BackendUnavailable, KogError
 # thread: the register file's quadrants cap 13 warps at 128) and one attention K/V buffer.
 DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1)
 MAX_REGISTERS = 168
-# Spill bytes of the kernel entry as of 2026-12-02 (callee-save traffic of the noinline stage
-# functions and the next stage's descriptor row held across them, outside the weight-streaming
-# loops). Regression guard; see docs/perf-notes-hopper.md.
-MAX_SPILL_BYTES = 96
+# Spill bytes of the whole kernel (every function) as of 2026-12-03: the entry 52 / 56 (values held
+# across the noinline stage calls: the next stage's descriptor row and block share) and
+# run_attention 144 / 160 (callee saves). Regression guard; see docs/perf-notes-hopper.md.
+MAX_SPILL_BYTES = 216
 
 
 def _compile(**variant):
@@ -41,7 +41,7 @@ def test_spills_stay_under_budget(compiled):
     assert rep["spill_stores"] <= MAX_SPILL_BYTES and rep["spill_loads"] <= MAX_SPILL_BYTES, (rep, log[-2000:])
 
 
-@pytest.mark.xfail(strict=True, reason="known: 64 bytes of callee-save spills at the noinline stage calls (perf notes)")
+@pytest.mark.xfail(strict=True, reason="known: ~200 bytes of spills at the noinline stage calls and in run_attention (perf notes v14)")
 def test_zero_spills(compiled):
     _, _, rep = compiled
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0
@@ -338,3 +338,19 @@ def test_signal_warp_build_compiles_at_168_registers():
     the signal warp publishing stage completions."""
     cubin, _, rep = _compile(NT=320, KV_BUFS=1, SIGNAL_WARP=1)
     assert cubin[:4] == b"\x7fELF" and 128 < rep["registers"] <= MAX_REGISTERS
+
+
+def test_ptxas_report_counts_the_spills_of_every_function():
+    """A noinline callee's spills are the kernel's too: the report sums them."""
+    from kog_nvidia_hopper.cuda_util import ptxas_report
+    log = """ptxas info    : Compiling entry function 'kog_decode' for 'sm_90a'
+ptxas info    : Function properties for kog_decode
+ptxas         .     384 bytes stack frame, 52 bytes spill stores, 56 bytes spill loads
+ptxas info    : Used 168 registers, used 2 barriers, 384 bytes cumulative stack size, 4736 bytes smem
+ptxas info    : Function properties for _Z13run_attentionR3Ctx
+ptxas         .     0 bytes stack frame, 144 bytes spill stores, 160 bytes spill loads
+ptxas info    : Function properties for _Z6run_ewR3Ctx
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+    assert ptxas_report(log) == dict(spill_stores=196, spill_loads=216, stack=384, entry_spill_stores=52,
+                                     entry_spill_loads=56, registers=168)

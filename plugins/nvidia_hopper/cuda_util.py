@@ -79,11 +79,16 @@ def compile_cubin(src: str, options=NVRTC_OPTIONS, name="decode.cu", use_cache=T
 
 
 def ptxas_report(log: str, entry: str = "kog_decode") -> dict:
-    """Registers, spills and stack frame of `entry` from the ptxas -v log."""
-    out = {}
-    m = re.search(rf"Function properties for {entry}\s*\n\s*ptxas\s*\.\s*(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if m:
-        out.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+    """Registers and stack frame of `entry`, and spill bytes summed over every function in the
+    ptxas -v log (the entry and the noinline device functions it calls: a callee's spills are the
+    kernel's too), with the entry's own as entry_spill_stores / entry_spill_loads."""
+    out = {"spill_stores": 0, "spill_loads": 0}
+    for name, stack, st, ld in re.findall(
+            r"Function properties for (\S+)\s*\n\s*ptxas\s*\.\s*(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log):
+        out["spill_stores"] += int(st)
+        out["spill_loads"] += int(ld)
+        if name == entry:
+            out.update(stack=int(stack), entry_spill_stores=int(st), entry_spill_loads=int(ld))
     m = re.search(rf"Compiling entry function '{entry}'.*?Used (\d+) registers", log, re.S)
     if m:
         out["registers"] = int(m.group(1))
