@@ -354,3 +354,9 @@ ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loa
 """
     assert ptxas_report(log) == dict(spill_stores=196, spill_loads=216, stack=384, entry_spill_stores=52,
                                      entry_spill_loads=56, registers=168)
+
+
+def test_inlined_attention_build_spills_less():
+    """KOG_HOPPER_INLINE_ATTENTION=1 (an experiment): no callee saves in the attention."""
+    cubin, _, rep = _compile(**DEFAULT, INLINE_ATTENTION=1)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS and rep["spill_stores"] < 100

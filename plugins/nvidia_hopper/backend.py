@@ -212,6 +212,8 @@ class HopperBackend(KernelBackend):
             variant["KV_BUFS"] = self.kv_bufs
         if self.signal_warp:
             variant["SIGNAL_WARP"] = 1
+        if _env_int("KOG_HOPPER_INLINE_ATTENTION", 0, lo=0, hi=1):  # an experiment (perf notes v14)
+            variant["INLINE_ATTENTION"] = 1
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None
         self.d_trace = 0
         if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)
