@@ -6,9 +6,9 @@ import pytest
 
 from kog_core.errors import BackendUnavailable, KogError
 
-# The default build: 10 consumer warps + the producer + the signal warp (12 warps a block, so up to 168 registers a
+# The default build: 11 consumer warps + the producer (12 warps a block, so up to 168 registers a
 # thread: the register file's quadrants cap 13 warps at 128) and one attention K/V buffer.
-DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1)
+DEFAULT = dict(NT=352, KV_BUFS=1)
 MAX_REGISTERS = 168
 # Spill bytes of the whole kernel (every function) as of 2026-12-03: the entry 52 / 56 (values held
 # across the noinline stage calls: the next stage's descriptor row and block share) and

@@ -1227,7 +1227,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     if (threadIdx.x == 0) {
         for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], NT); }
         s_done = 0;
-        s_staged = 0;
+        if (SIGNAL_WARP) s_staged = 0;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the last barrier of all NTHREADS: from here on the producer warp goes its own way
