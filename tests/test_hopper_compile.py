@@ -217,6 +217,11 @@ def test_tuning_knobs_reject_malformed_values_in_one_line(monkeypatch):
     monkeypatch.setenv("KOG_HOPPER_PREFETCH", "33")
     with pytest.raises(KogError):
         _env_int("KOG_HOPPER_PREFETCH", 4, lo=0, hi=32)
+    # the value the message suggests is one the knob accepts (an on/off switch: 1, not 16)
+    monkeypatch.setenv("KOG_HOPPER_SIGNAL_WARP", "2")
+    with pytest.raises(KogError) as e:
+        _env_int("KOG_HOPPER_SIGNAL_WARP", 0, lo=0, hi=1)
+    assert "e.g. KOG_HOPPER_SIGNAL_WARP=1)" in str(e.value)
 
 
 def test_stream_list_gives_each_block_its_items_in_stage_order():
@@ -314,7 +319,7 @@ def test_ring_slots_fill_the_shared_memory_the_stages_leave(monkeypatch):
     from kog_moe_standard_tp.llama import Llama
     from kog_moe_standard_tp.presets import BENCH_2B
     from kog_nvidia_hopper import schedule as S
-    from kog_nvidia_hopper.backend import HopperBackend, _matvec_smem
+    from kog_nvidia_hopper.backend import HopperBackend
     prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
     stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1)
     S.fuse_attention_combine(prog, stages)
@@ -323,14 +328,13 @@ def test_ring_slots_fill_the_shared_memory_the_stages_leave(monkeypatch):
             S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
     hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024)
     monkeypatch.delenv("KOG_HOPPER_SLOT_KB", raising=False)
-    slot, plans = HopperBackend._ring_slots(hb, stages, None)
-    need = max([4096] + [st.smem for st in stages if st.type != "matvec"]
-               + [_matvec_smem(stages, si, xb) for si, (_, xb) in plans.items()])
-    scratch = (need + 127) // 128 * 128
+    slot, plans, scratch = HopperBackend._ring_slots(hb, stages, None)
+    assert scratch == (max(st.smem for st in stages) + 127) // 128 * 128 and scratch < 34 * 1024
     assert slot == 31 * 1024 and (hb.max_smem - S.STATIC_SMEM - scratch) // slot == 6
+    assert sorted(plans) == [si for si, st in enumerate(stages) if st.type == "matvec"]
     monkeypatch.setenv("KOG_HOPPER_SLOT_KB", "32")
-    slot, _ = HopperBackend._ring_slots(hb, stages, None)
-    assert slot == 32 * 1024 and (hb.max_smem - S.STATIC_SMEM - scratch) // slot == 5
+    slot, _, scratch32 = HopperBackend._ring_slots(hb, stages, None)
+    assert scratch32 == scratch and slot == 32 * 1024 and (hb.max_smem - S.STATIC_SMEM - scratch) // slot == 5
 
 
 def test_signal_warp_build_compiles_at_168_registers():

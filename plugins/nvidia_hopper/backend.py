@@ -27,7 +27,8 @@ def _env_int(name: str, default: int, lo: int = 1, hi: int = 1 << 20) -> int:
     if v is None:
         return default
     if not v.strip().isdigit() or not lo <= int(v) <= hi:
-        raise KogError(f"{name}={v!r} is not an integer from {lo} to {hi}: set one (e.g. {name}={default or 16}) or unset it")
+        example = min(max(default or 16, lo), hi)  # a value the knob accepts (0-1 switches: 1)
+        raise KogError(f"{name}={v!r} is not an integer from {lo} to {hi}: set one (e.g. {name}={example}) or unset it")
     return int(v)
 
 
@@ -37,13 +38,6 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
     if a.dtype == ml_dtypes.bfloat16:
         return np.ascontiguousarray(a).view(np.uint16)
     return np.ascontiguousarray(a, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def _matvec_smem(stages, si: int, xbytes: int) -> int:
-    """Shared memory a matvec stage needs: its x rows, and the chunk weights when its loader combines
-    the attention's chunks (decode.cu mv_load_attn)."""
-    at = stages[stages[si].f["_attn_stage"]] if "_attn_stage" in stages[si].f else None
-    return xbytes + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
 
 
 class HopperBackend(KernelBackend):
@@ -169,18 +163,17 @@ class HopperBackend(KernelBackend):
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
-        slot_bytes, plans = self._ring_slots(stages, item_rows)
+        slot_bytes, plans, scratch = self._ring_slots(stages, item_rows)
         streamed = []
         for si, st in enumerate(stages):
             if st.type == "matvec":
-                plan, xbytes = plans[si]
+                plan = plans[si]
                 packed = S.pack_stage_weights(plan, self.nb, st.segs, lambda name: _to_bf16_bits(weights[name]))
                 st.f["MV_PACKED"] = self._upload(packed)
                 del packed
                 att_next = (si + 1 < len(stages) and stages[si + 1].type == "attn"
                             and _env_int("KOG_HOPPER_ATT_PREFETCH", 0, lo=0, hi=1) == 1)  # measured no gain: off
                 streamed.append((si, plan, st.segs, st.f["MV_PACKED"], st.f["MV_FLAGS"], att_next))
-                st.smem = _matvec_smem(stages, si, xbytes)
                 if "_attn_stage" in st.f:  # its input combines the attention's chunks (decode.cu mv_load_attn)
                     if st.f["_attn_stage"] != si - 1:
                         raise KogError("nvidia_hopper: an attention combine must read the stage just before it")
@@ -203,7 +196,6 @@ class HopperBackend(KernelBackend):
         check(drv.cuMemcpyHtoD(self.d_desc, self.desc.ctypes.data, self.desc.nbytes), "cuMemcpyHtoD(stages)")
         self.nst = len(stages)
         self.d_counters = self._alloc(self.nst * 4)
-        scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         # the weight ring takes the shared memory the stages leave
         nslots = min(S.MAX_SLOTS, (self.max_smem - S.STATIC_SMEM - scratch) // slot_bytes)
         if nslots < 2:
@@ -248,23 +240,28 @@ class HopperBackend(KernelBackend):
         self.pos = 0
 
     def _ring_slots(self, stages, item_rows):
-        """The ring's slot size and every matvec stage's stream plan for it. KOG_HOPPER_SLOT_KB sets
-        the size; by default the shared memory the stages leave is cut into as many slots of 30-32 KB
-        as fit (six slots of 31 KB beat five of 32 on bench-2b: perf notes, session 4)."""
+        """The ring's slot size, every matvec stage's stream plan for it, and the shared memory the
+        stages need before the ring (each matvec stage's `smem` is set here: its x rows, plus the
+        chunk weights when its loader combines the attention's chunks, decode.cu mv_load_attn).
+        KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
+        into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
+        notes, session 4). Returns (slot bytes, {stage: plan}, scratch bytes)."""
         def plan_all(slot_bytes):
             return {si: S.stream_plan(st, self.nb, self.nw, slot_bytes, item_rows)
                     for si, st in enumerate(stages) if st.type == "matvec"}
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         plans = plan_all(slot_bytes)
+        for si, (_, xbytes) in plans.items():  # x scratch does not depend on the slot size
+            at = stages[stages[si].f["_attn_stage"]] if "_attn_stage" in stages[si].f else None
+            stages[si].smem = xbytes + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
+        scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
-            need = [4096] + [st.smem for st in stages if st.type != "matvec"]
-            need += [_matvec_smem(stages, si, xbytes) for si, (_, xbytes) in plans.items()]
-            avail = self.max_smem - S.STATIC_SMEM - (max(need) + 127) // 128 * 128
+            avail = self.max_smem - S.STATIC_SMEM - scratch
             n = avail // slot_bytes + 1
             if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
                 slot_bytes = avail // n // 1024 * 1024
                 plans = plan_all(slot_bytes)
-        return slot_bytes, plans
+        return slot_bytes, {si: plan for si, (plan, _) in plans.items()}, scratch
 
     def _pack(self, st: S.Stage) -> np.ndarray:
         row = np.zeros(S.NSLOT, np.int64)

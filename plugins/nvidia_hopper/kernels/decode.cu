@@ -73,11 +73,6 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 __device__ __forceinline__ void red_release(u32* p, u32 v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
 __device__ __forceinline__ u32 ld_sys(const volatile u32* p) {
     u32 v;
     asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -91,6 +86,11 @@ __device__ __forceinline__ float dot8s(uint4 w, float4 a, float4 b, float acc) {
     acc = fmaf(bf_lo(w.z), b.x, acc); acc = fmaf(bf_hi(w.z), b.y, acc);
     acc = fmaf(bf_lo(w.w), b.z, acc); acc = fmaf(bf_hi(w.w), b.w, acc);
     return acc;
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
 }
 
 struct OpSum { template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
