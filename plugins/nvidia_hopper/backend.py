@@ -99,15 +99,15 @@ class HopperBackend(KernelBackend):
         if problems:
             raise CapabilityError("nvidia_hopper cannot run this model: " + "; ".join(problems))
         self.program = program
-        # consumer warps per block: 11 by default, with the producer 12 a block (12 leave ptxas 168
-        # registers a thread; 13 cap it at 128 through the register-file quadrants, and the loops
-        # spill: perf notes v12, sessions 4-5)
+        # consumer warps per block: 10 by default, with the producer and the signal warp 12 a block
+        # (12 leave ptxas 168 registers a thread; 13 cap it at 128 through the register-file
+        # quadrants, and the loops spill: perf notes v12-v15)
         self.nw = _env_int("KOG_HOPPER_CONSUMER_WARPS", S.NW_DEFAULT, lo=8, hi=S.NW)
         self.nt = 32 * self.nw
-        # a signal warp publishes stage completions, so no consumer warp stalls on the release fence.
-        # Off by default until its atomics build has run racecheck on the GPU (perf notes v14); with
-        # it, KOG_HOPPER_CONSUMER_WARPS=10 keeps 12 warps a block
-        self.signal_warp = _env_int("KOG_HOPPER_SIGNAL_WARP", 0, lo=0, hi=1)
+        # a signal warp publishes stage completions, so no consumer warp stalls on the release fence
+        # (perf notes v14; racecheck-clean since session 6). KOG_HOPPER_SIGNAL_WARP=0 with
+        # KOG_HOPPER_CONSUMER_WARPS=11 is the v13 build
+        self.signal_warp = _env_int("KOG_HOPPER_SIGNAL_WARP", 1, lo=0, hi=1)
         self.nthreads = self.nt + 32 + 32 * self.signal_warp  # + the producer warp (+ the signal warp)
         # attention K/V sub-chunk buffers: 1 by default leaves 17 KB more shared memory to the weight ring
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
@@ -206,7 +206,7 @@ class HopperBackend(KernelBackend):
             variant["KV_BUFS"] = self.kv_bufs
         if self.signal_warp:
             variant["SIGNAL_WARP"] = 1
-        if _env_int("KOG_HOPPER_INLINE_ATTENTION", 0, lo=0, hi=1):  # an experiment (perf notes v14)
+        if _env_int("KOG_HOPPER_INLINE_ATTENTION", 1, lo=0, hi=1):  # no callee saves in the attention (v15)
             variant["INLINE_ATTENTION"] = 1
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None
         self.d_trace = 0

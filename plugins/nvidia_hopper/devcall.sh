@@ -10,6 +10,7 @@
 #   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
 #   pick       export the fastest of the variants just run (KOG_HOPPER_* settings) for later phases
 #   trace      per-stage timestamps (trace.py) for TRACE_PRESETS under each of TRACE_ENVS
+#   probe      the weight stream alone (stream_probe.py): ring and plain-load TB/s, pauses
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -69,4 +70,7 @@ trace)
     env ${v//,/ } timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m ${TRACE_SKIP:+--skip $TRACE_SKIP} --save $f.npz > $f.log 2>&1
     echo "== trace $m $v rc=$?"; head -1 $f.log | cut -c1-200; grep -A12 "^token:" $f.log | cut -c1-120
   done; done ;;
+probe)
+  export PYTHONPATH=${SITE:-/tmp/site}
+  timeout ${PROBE_TIMEOUT:-120} python3 -m kog_nvidia_hopper.stream_probe ${PROBE_ARGS:-} --json $OUT/probe.json 2>&1 | tee $OUT/probe.log | cut -c1-200 ;;
 esac; done

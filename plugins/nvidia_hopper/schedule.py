@@ -22,7 +22,7 @@ from kog_core.program import DecodeProgram
 
 NT = 384        # most consumer threads per block (12 warps); the block has one more warp, the weight producer
 NW = NT // 32
-NW_DEFAULT = 11  # 11 consumer warps + the producer: 12 warps per SM, so ptxas may use 168 registers (not 128)
+NW_DEFAULT = 10  # 10 consumer warps + the producer + the signal warp: 12 warps per SM, so ptxas may use 168 registers (not 128)
 NSLOT = 96
 SEG_STRIDE = 12
 MAX_SEGS = 4

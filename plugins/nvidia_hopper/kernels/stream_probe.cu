@@ -1,0 +1,138 @@
+// Weight-stream probes: how fast can one block per SM stream a contiguous share of a large buffer
+// (no model, no dependencies), and what does a consumer pause cost? The decode kernel's "weights
+// only" breakdown reaches ~2.8 TB/s on bench-2b while the LM head alone streams at ~4.0; these
+// kernels separate the stream machinery from everything else (stream_probe.py runs them).
+//
+// probe_ring: the decode kernel's scheme. The last warp is the producer: lane 0 fills a ring of
+// `nslots` shared-memory slots of `slot_bytes` with cp.async.bulk (each slot's copy cut into
+// `chunks` bulk copies on one mbarrier); the other warps consume every slot and release it
+// (one arrive per thread, as decode.cu). consume = 0: release at once; 1: a dot product of the
+// slot's bf16 values with an f32 vector in shared memory (decode.cu's inner loop). Every
+// `pause_every` items the consumers stop together for `pause_ns` (a stage boundary's cost);
+// pause_skew staggers the blocks' pauses (block b pauses b * pause_skew items earlier);
+// prefetch > 0: with each copy the producer asks L2 for the item `prefetch` places after it.
+//
+// trace (block 0, first ntrace items): per item the producer's issue time and the consumers' wait
+// start and end (globaltimer ns), so a pause's effect on the copies can be seen item by item.
+//
+// probe_ldg: no ring; every thread streams 16-byte ld.global.nc loads, `UNROLL` in flight.
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define MAX_SLOTS 16
+#define XLEN 1024  // floats of the dot product's vector (reused across the slot)
+
+extern __shared__ __align__(128) unsigned char probe_smem[];
+__shared__ u64 full_bar[MAX_SLOTS], empty_bar[MAX_SLOTS];
+__shared__ float4 xvec[XLEN / 4];
+
+__device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(u64* b, u32 n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(saddr(b)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* b, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(saddr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(saddr(b)) : "memory");
+}
+__device__ __forceinline__ bool mbar_try(u64* b, u32 parity) {
+    u32 ok;
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(ok) : "r"(saddr(b)), "r"(parity) : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) { while (!mbar_try(b, parity)) { } }
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
+}
+__device__ __forceinline__ u64 gtimer() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1, %0;" :: "r"(n) : "memory"); }
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
+    acc = fmaf(__uint_as_float(w.x << 16), a.x, acc); acc = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, acc);
+    acc = fmaf(__uint_as_float(w.y << 16), a.z, acc); acc = fmaf(__uint_as_float(w.y & 0xffff0000u), a.w, acc);
+    acc = fmaf(__uint_as_float(w.z << 16), b.x, acc); acc = fmaf(__uint_as_float(w.z & 0xffff0000u), b.y, acc);
+    acc = fmaf(__uint_as_float(w.w << 16), b.z, acc); acc = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, acc);
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1)
+probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
+           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, float* out, u64* trace, u32 ntrace) {
+    const int nc = blockDim.x - 32;  // consumer threads
+    const int tid = threadIdx.x;
+    const u64 nitems = per_block / slot_bytes;
+    const unsigned char* base = src + (u64)blockIdx.x * per_block;
+    if (tid == 0) {
+        for (u32 i = 0; i < nslots; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], nc); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    for (int i = tid; i < XLEN / 4; i += blockDim.x) xvec[i] = make_float4(1.f, 0.5f, 0.25f, 0.125f);
+    __syncthreads();
+    if (tid >= nc) {  // producer warp
+        if (tid != nc) return;
+        const u32 cb = slot_bytes / chunks;
+        for (u64 q = 0; q < nitems; ++q) {
+            const u32 s = (u32)(q % nslots);
+            if (q >= nslots) mbar_wait(&empty_bar[s], (u32)((q / nslots - 1) & 1));
+            if (trace && blockIdx.x == 0 && q < ntrace) trace[3 * q] = gtimer();
+            if (prefetch && q + prefetch < nitems)  // ask L2 for an item beyond the ring: HBM keeps streaming through a pause
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + (q + prefetch) * slot_bytes), "r"(slot_bytes) : "memory");
+            mbar_expect_tx(&full_bar[s], slot_bytes);
+            for (u32 k = 0; k < chunks; ++k)
+                bulk_copy(probe_smem + (u64)s * slot_bytes + k * cb, base + q * slot_bytes + k * cb, cb, &full_bar[s]);
+        }
+        for (u64 q = nitems > nslots ? nitems - nslots : 0; q < nitems; ++q)  // none may be in flight at exit
+            mbar_wait(&full_bar[q % nslots], (u32)((q / nslots) & 1));
+        return;
+    }
+    float acc = 0.f;
+    const int n16 = slot_bytes / 16;
+    for (u64 q = 0; q < nitems; ++q) {
+        const u32 s = (u32)(q % nslots);
+        const bool tr = trace && blockIdx.x == 0 && tid == 0 && q < ntrace;
+        if (tr) trace[3 * q + 1] = gtimer();
+        mbar_wait(&full_bar[s], (u32)((q / nslots) & 1));
+        if (tr) trace[3 * q + 2] = gtimer();
+        if (consume) {
+            const uint4* w = (const uint4*)(probe_smem + (u64)s * slot_bytes);
+#pragma unroll 4
+            for (int i = tid; i < n16; i += nc) {
+                const int xi = (2 * i) & (XLEN / 4 - 1);
+                acc = dot8(w[i], xvec[xi], xvec[xi + 1], acc);
+            }
+        }
+        mbar_arrive(&empty_bar[s]);
+        if (pause_every && (q + 1 + blockIdx.x * pause_skew) % pause_every == 0) {
+            consumers_sync(nc);
+            if (tid == 0) { const u64 t0 = gtimer(); while (gtimer() - t0 < pause_ns) { } }
+            consumers_sync(nc);
+        }
+    }
+    if (acc == 1.2345f) out[blockIdx.x] = acc;  // keeps the dot products alive
+}
+
+#ifndef UNROLL
+#define UNROLL 8
+#endif
+extern "C" __global__ void __launch_bounds__(1024, 1)
+probe_ldg(const uint4* __restrict__ src, u64 per_block, float* out) {
+    const u64 n16 = per_block / 16;
+    const uint4* base = src + (u64)blockIdx.x * n16;
+    const u32 stride = blockDim.x;
+    float acc = 0.f;
+    for (u64 i0 = threadIdx.x; i0 < n16; i0 += (u64)UNROLL * stride) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u64 i = i0 + (u64)u * stride;
+            if (i < n16) asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                                      : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(base + i));
+            else v[u] = make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) acc += __uint_as_float(v[u].x ^ v[u].y ^ v[u].z ^ v[u].w);
+    }
+    if (acc == 1.2345f) out[blockIdx.x] = acc;
+}

@@ -1,0 +1,168 @@
+"""Benchmark of the weight stream alone (kernels/stream_probe.cu): TB/s of a shared-memory ring
+fed by cp.async.bulk and of plain 16-byte loads, one block per SM, over a 4 GB buffer, with
+and without consumer work and pauses. Answers "how fast can this machinery stream at all, and
+what does a pause at a stage boundary cost", apart from the decode kernel.
+
+    python3 -m kog_nvidia_hopper.stream_probe [--quick] [--json out.json]
+
+Every line: the configuration, the median of 5 timed launches in TB/s (bytes read), and the
+share of the card's copy bandwidth (read + written, measured in the same process).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+
+import numpy as np
+
+from kog_nvidia_hopper.cuda_util import KERNEL_DIR, NVRTC_OPTIONS, check, compile_cubin
+
+BUFFER_BYTES = 4 << 30
+
+
+def compile_probe(unroll: int = 8) -> tuple[bytes, str]:
+    src = f"#define UNROLL {unroll}\n" + (KERNEL_DIR / "stream_probe.cu").read_text()
+    return compile_cubin(src, NVRTC_OPTIONS, name="stream_probe.cu")
+
+
+# (name, kind, settings): ring = (consumer warps, slots, slot KB, chunks per slot, consume, pause every, pause ns)
+def configs(quick: bool = False, round_: int = 1):
+    if round_ == 2:
+        return configs_round2()
+    out = []
+    # the decode kernel's ring today: 10 consumer warps, 6 x 31 KB
+    base = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0)
+    out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
+    out.append(("  no consumer work", "ring", dict(base, consume=0)))
+    for every, ns in ((4, 1000), (4, 3000), (8, 3000), (16, 3000)):
+        out.append((f"  pause {ns} ns every {every} items", "ring", dict(base, every=every, ns=ns)))
+        if quick:
+            break
+    for slots, kb in ((4, 48), (8, 23), (12, 16), (16, 12), (3, 64)):
+        out.append((f"  {slots} x {kb} KB", "ring", dict(base, slots=slots, kb=kb)))
+    for chunks in (2, 4, 8):
+        out.append((f"  each slot as {chunks} bulk copies", "ring", dict(base, chunks=chunks)))
+    for warps in (4, 8, 16):
+        out.append((f"  {warps} consumer warps", "ring", dict(base, warps=warps)))
+    out.append(("  12 x 16 KB, pause 3000 ns every 8", "ring", dict(base, slots=12, kb=16, every=8, ns=3000)))
+    for unroll in ((8,) if quick else (4, 8, 16)):
+        for threads in (384, 1024):
+            out.append((f"ldg {threads} threads x {unroll} loads in flight", "ldg", dict(unroll=unroll, threads=threads)))
+    return out
+
+
+def configs_round2():
+    """Why a pause is not hidden by the ring: per-SM ceiling (fewer blocks), staggered pauses, traces."""
+    base = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0)
+    p8 = dict(base, every=8, ns=3000)
+    return [
+        ("ring as decode (10w, 6x31KB, dot), traced", "ring", dict(base, trace=1)),
+        ("  pause 3000 ns every 8, traced", "ring", dict(p8, trace=1)),
+        ("  pause 3000 ns every 8, staggered by block", "ring", dict(p8, skew=1)),
+        ("  66 blocks", "ring", dict(base, blocks=66)),
+        ("  33 blocks", "ring", dict(base, blocks=33)),
+        ("  66 blocks, pause 3000 ns every 8", "ring", dict(p8, blocks=66)),
+        ("  12 x 16 KB, pause 3000 ns every 16", "ring", dict(p8, slots=12, kb=16, every=16)),
+        ("  3 x 64 KB, pause 3000 ns every 4", "ring", dict(p8, slots=3, kb=64, every=4)),
+        ("  66 blocks, 12 x 16 KB, traced", "ring", dict(base, blocks=66, slots=12, kb=16, trace=1)),
+        ("ldg 384 threads x 16 loads, 66 blocks", "ldg", dict(unroll=16, threads=384, blocks=66)),
+        ("  L2 prefetch 4 items ahead", "ring", dict(base, prefetch=4)),
+        ("  L2 prefetch 4 ahead, pause 3000 ns every 8", "ring", dict(p8, prefetch=4)),
+        ("  L2 prefetch 8 ahead, pause 3000 ns every 8", "ring", dict(p8, prefetch=8)),
+        ("  L2 prefetch 16 ahead, pause 3000 ns every 8", "ring", dict(p8, prefetch=16)),
+        ("  L2 prefetch 8 ahead, pause 3000 ns every 8, traced", "ring", dict(p8, prefetch=8, trace=1)),
+    ]
+
+
+def trace_summary(tr: np.ndarray, every: int) -> list[str]:
+    """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
+    n = len(tr)
+    lo, hi = n // 4, n  # steady state: skip the start
+    lat = tr[lo:hi, 2] - tr[lo:hi, 0]
+    wait = tr[lo:hi, 2] - tr[lo:hi, 1]
+    gap = np.diff(tr[lo:hi, 2])
+    out = [f"    block 0, items {lo}-{hi}: issue->seen median {np.median(lat) / 1e3:.2f} us (p10 {np.percentile(lat, 10) / 1e3:.2f}, "
+           f"p90 {np.percentile(lat, 90) / 1e3:.2f}); consumer wait median {np.median(wait) / 1e3:.2f} us; "
+           f"item every {np.median(gap) / 1e3:.2f} us"]
+    a = (n // 2) // max(every, 1) * max(every, 1) - 2
+    t0 = tr[a, 0]
+    for q in range(a, min(a + 2 * max(every, 8) + 2, n)):
+        i, w0, w1 = (tr[q] - t0) / 1e3
+        out.append(f"    item {q:5d}: issued {i:7.2f}  wait {w0:7.2f} -> {w1:7.2f} us")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--round", type=int, default=1, help="1: the survey; 2: why pauses are not hidden")
+    a = ap.parse_args()
+    from kog_nvidia_hopper.backend import HopperBackend
+    hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
+    drv = hb.drv
+    copy_bw = hb.copy_bandwidth()
+    nb = hb.sms
+    buf = hb._alloc(BUFFER_BYTES)
+    check(drv.cuMemsetD32(buf, 0x3f803f80, BUFFER_BYTES // 4), "memset")
+    outp = hb._alloc(4 * nb)
+    mods = {}
+
+    def fn(kind, unroll=8):
+        key = (kind, unroll)
+        if key not in mods:
+            cubin, _ = compile_probe(unroll)
+            mod = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
+            f = check(drv.cuModuleGetFunction(mod, b"probe_" + kind.encode()), "cuModuleGetFunction")
+            check(drv.cuFuncSetAttribute(f, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         hb.max_smem - 8192), "cuFuncSetAttribute")
+            mods[key] = f
+        return mods[key]
+
+    e0 = check(drv.cuEventCreate(0)); e1 = check(drv.cuEventCreate(0))
+    results = []
+    ntrace = 4096
+    d_trace = hb._alloc(ntrace * 3 * 8)
+    for name, kind, s in configs(a.quick, a.round):
+        blocks = s.get("blocks", nb)
+        if kind == "ring":
+            slot = s["kb"] * 1024
+            per_block = (BUFFER_BYTES // blocks) // slot * slot
+            args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint32(s["slots"]), ctypes.c_uint32(slot),
+                    ctypes.c_uint32(s["chunks"]), ctypes.c_int(s["consume"]), ctypes.c_uint32(s["every"]),
+                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s.get("skew", 0)), ctypes.c_uint32(s.get("prefetch", 0)), ctypes.c_uint64(outp),
+                    ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace)]
+            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1), s["slots"] * slot
+        else:
+            per_block = (BUFFER_BYTES // blocks) // 16 * 16
+            args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint64(outp)]
+            f, threads, smem = fn("ldg", s["unroll"]), s["threads"], 0
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
+        times = []
+        for _ in range(6):
+            check(drv.cuEventRecord(e0, hb.stream))
+            check(drv.cuLaunchKernel(f, blocks, 1, 1, threads, 1, 1, smem, hb.stream, ctypes.addressof(ptrs), 0), "cuLaunchKernel")
+            check(drv.cuEventRecord(e1, hb.stream))
+            check(drv.cuEventSynchronize(e1))
+            times.append(check(drv.cuEventElapsedTime(e0, e1)) / 1e3)
+        t = float(np.median(times[1:]))
+        tbps = per_block * blocks / t / 1e12
+        r = dict(name=name.strip(), kind=kind, **s, TBps=round(tbps, 3), of_copy=round(tbps / copy_bw, 3))
+        results.append(r)
+        print(f"{name:44s} {tbps:6.3f} TB/s  {tbps / copy_bw:5.3f} of copy", flush=True)
+        if s.get("trace"):
+            tr = np.zeros((ntrace, 3), np.uint64)
+            check(drv.cuMemcpyDtoH(tr.ctypes.data, d_trace, tr.nbytes), "cuMemcpyDtoH(trace)")
+            lines = trace_summary(tr[:min(ntrace, per_block // slot)].astype(np.int64), s["every"])
+            r["trace"] = lines
+            print("\n".join(lines), flush=True)
+    print(f"copy bandwidth {copy_bw:.3f} TB/s, {nb} blocks, {BUFFER_BYTES >> 30} GB buffer", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(copy_TBps=copy_bw, results=results), fh, indent=1)
+    hb.close()
+
+
+if __name__ == "__main__":
+    main()
