@@ -72,6 +72,9 @@ def configs_round2():
         ("  L2 prefetch 8 ahead, pause 3000 ns every 8", "ring", dict(p8, prefetch=8)),
         ("  L2 prefetch 16 ahead, pause 3000 ns every 8", "ring", dict(p8, prefetch=16)),
         ("  L2 prefetch 8 ahead, pause 3000 ns every 8, traced", "ring", dict(p8, prefetch=8, trace=1)),
+        ("  prefetch warp 8 ahead", "ring", dict(base, prefetch=8, pf_warp=1)),
+        ("  prefetch warp 8 ahead, pause 3000 ns every 8", "ring", dict(p8, prefetch=8, pf_warp=1)),
+        ("  prefetch warp 16 ahead, pause 3000 ns every 8", "ring", dict(p8, prefetch=16, pf_warp=1)),
     ]
 
 
@@ -131,9 +134,9 @@ def main():
             per_block = (BUFFER_BYTES // blocks) // slot * slot
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint32(s["slots"]), ctypes.c_uint32(slot),
                     ctypes.c_uint32(s["chunks"]), ctypes.c_int(s["consume"]), ctypes.c_uint32(s["every"]),
-                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s.get("skew", 0)), ctypes.c_uint32(s.get("prefetch", 0)), ctypes.c_uint64(outp),
+                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s.get("skew", 0)), ctypes.c_uint32(s.get("prefetch", 0)), ctypes.c_int(s.get("pf_warp", 0)), ctypes.c_uint64(outp),
                     ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace)]
-            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1), s["slots"] * slot
+            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s.get("pf_warp", 0)), s["slots"] * slot
         else:
             per_block = (BUFFER_BYTES // blocks) // 16 * 16
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint64(outp)]

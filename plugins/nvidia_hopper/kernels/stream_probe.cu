@@ -10,7 +10,8 @@
 // slot's bf16 values with an f32 vector in shared memory (decode.cu's inner loop). Every
 // `pause_every` items the consumers stop together for `pause_ns` (a stage boundary's cost);
 // pause_skew staggers the blocks' pauses (block b pauses b * pause_skew items earlier);
-// prefetch > 0: with each copy the producer asks L2 for the item `prefetch` places after it.
+// prefetch > 0: with each copy the producer asks L2 for the item `prefetch` places after it
+// (cp.async.bulk.prefetch.L2), or with pf_warp a last warp does so with 128-byte prefetch.global.L2.
 //
 // trace (block 0, first ntrace items): per item the producer's issue time and the consumers' wait
 // start and end (globaltimer ns), so a pause's effect on the copies can be seen item by item.
@@ -25,6 +26,7 @@ typedef unsigned long long u64;
 extern __shared__ __align__(128) unsigned char probe_smem[];
 __shared__ u64 full_bar[MAX_SLOTS], empty_bar[MAX_SLOTS];
 __shared__ float4 xvec[XLEN / 4];
+__shared__ u32 s_issued;  // the producer's last issued item (read by the prefetch warp)
 
 __device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(u64* b, u32 n) {
@@ -59,17 +61,27 @@ __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
-           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, float* out, u64* trace, u32 ntrace) {
-    const int nc = blockDim.x - 32;  // consumer threads
+           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, float* out, u64* trace, u32 ntrace) {
+    const int nc = blockDim.x - 32 - 32 * pf_warp;  // consumer threads
     const int tid = threadIdx.x;
     const u64 nitems = per_block / slot_bytes;
     const unsigned char* base = src + (u64)blockIdx.x * per_block;
     if (tid == 0) {
+        s_issued = 0;
         for (u32 i = 0; i < nslots; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], nc); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     for (int i = tid; i < XLEN / 4; i += blockDim.x) xvec[i] = make_float4(1.f, 0.5f, 0.25f, 0.125f);
     __syncthreads();
+    if (pf_warp && tid >= nc + 32) {  // prefetch warp: 128-byte L2 prefetches (LSU, not the copy engine)
+        const int ln = tid & 31;
+        for (u64 q = prefetch; q < nitems; ++q) {  // item q once the producer has issued item q - prefetch
+            while ((u64)*(volatile u32*)&s_issued + prefetch < q + 1) { }
+            const unsigned char* p = base + q * slot_bytes;
+            for (u32 o = ln * 128; o < slot_bytes; o += 32 * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(p + o));
+        }
+        return;
+    }
     if (tid >= nc) {  // producer warp
         if (tid != nc) return;
         const u32 cb = slot_bytes / chunks;
@@ -77,7 +89,8 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             const u32 s = (u32)(q % nslots);
             if (q >= nslots) mbar_wait(&empty_bar[s], (u32)((q / nslots - 1) & 1));
             if (trace && blockIdx.x == 0 && q < ntrace) trace[3 * q] = gtimer();
-            if (prefetch && q + prefetch < nitems)  // ask L2 for an item beyond the ring: HBM keeps streaming through a pause
+            if (pf_warp) *(volatile u32*)&s_issued = (u32)q;
+            else if (prefetch && q + prefetch < nitems)  // ask L2 for an item beyond the ring: HBM keeps streaming through a pause
                 asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + (q + prefetch) * slot_bytes), "r"(slot_bytes) : "memory");
             mbar_expect_tx(&full_bar[s], slot_bytes);
             for (u32 k = 0; k < chunks; ++k)
