@@ -672,7 +672,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     u32 d = smem_addr(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
 }
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // K/V sub-chunk buffers of the attention (2: the next sub-chunk's copies overlap this one's math;
 // 1 leaves 17 KB more shared memory to the weight ring at hd = 128, schedule._attn_stage)
 #ifndef KV_BUFS
@@ -1207,8 +1211,10 @@ __device__ __noinline__ void signal_stages(u32* counters, int nst) {
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     __shared__ float red[NW + 2];
-    __shared__ i64 s_desc[2][NSLOT];  // this stage's and the previous stage's descriptors
-    __shared__ int4 s_blk[2];         // and this block's share of them (schedule.stream_list block info)
+    // this stage's, the previous stage's and (arriving during this stage) the next stage's
+    // descriptors, and this block's share of them (schedule.stream_list block info)
+    __shared__ __align__(16) i64 s_desc[3][NSLOT];
+    __shared__ int4 s_blk[3];
     const int4* binfo = (const int4*)run[R_BINFO];
     Ctx c;
     c.run = run;
@@ -1246,19 +1252,24 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     const int tid = threadIdx.x;
     if (tid < NSLOT) s_desc[0][tid] = stages[tid];
     if (tid == NSLOT) s_blk[0] = binfo[blockIdx.x];
-    u32 sd = 0;  // stages run so far: s_desc[sd & 1] is the current one
+    u32 sd = 0;  // stages run so far: s_desc[sd % 3] is the current one
     csync();
     for (int it = 0;; ++it) {
         c.it = it;
         c.pos = start_pos + it;
         for (int s = 0; s < nst; ++s, ++sd) {
-            const i64* st = s_desc[sd & 1];
+            const u32 cur = sd % 3, nxt = (sd + 1) % 3;
+            const i64* st = s_desc[cur];
             c.st = st;
-            c.prev = s_desc[(sd + 1) & 1];
-            c.blk = s_blk[sd & 1];
+            c.prev = s_desc[(sd + 2) % 3];
+            c.blk = s_blk[cur];
+            // the next stage's row lands in the buffer of stage sd - 2 (read by nobody since the
+            // last barrier) while this stage runs: cp.async, so no register holds it across the
+            // stage call (a value live across a noinline call spills)
             const int sn = s + 1 < nst ? s + 1 : 0;
-            const i64 next_row = tid < NSLOT ? stages[(i64)sn * NSLOT + tid] : 0;
-            const int4 next_blk = tid == NSLOT ? binfo[sn * gridDim.x + blockIdx.x] : make_int4(0, 0, 0, 0);
+            if (tid < NSLOT) cp_async8(&s_desc[nxt][tid], stages + (i64)sn * NSLOT + tid);
+            if (tid == NSLOT) cp_async16(&s_blk[nxt], binfo + sn * gridDim.x + blockIdx.x);
+            cp_commit();
             const int type = (int)st[S_TYPE];
             const u32* wctr = s > 0 ? counters + s - 1 : counters + nst - 1;
             const u32 wtarget = (c.skipmask >> 6) & 1 ? 0u : s > 0 ? nb * (u32)(it + 1) : nb * (u32)it;  // bit 6: stream only
@@ -1276,8 +1287,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             else if (type == ST_ATTN) run_attention(c);
             else if (type == ST_EW) run_ew(c);
             else if (type == ST_SAMPLE) run_sample(c);
-            if (tid < NSLOT) s_desc[(sd + 1) & 1][tid] = next_row;  // nobody reads c.prev after a stage's loader
-            if (tid == NSLOT) s_blk[(sd + 1) & 1] = next_blk;
+            cp_wait_all();  // the next stage's row (visible to all consumers after the barrier)
             csync();
             TMARK(c, 3);
             // release: every write of this block (ordered by the barrier) is visible before the count.
