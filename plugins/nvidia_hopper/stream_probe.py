@@ -30,6 +30,8 @@ def compile_probe(unroll: int = 8) -> tuple[bytes, str]:
 def configs(quick: bool = False, round_: int = 1):
     if round_ == 2:
         return configs_round2()
+    if round_ == 3:
+        return configs_round3()
     out = []
     # the decode kernel's ring today: 10 consumer warps, 6 x 31 KB
     base = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0)
@@ -78,6 +80,25 @@ def configs_round2():
     ]
 
 
+def configs_round3():
+    """The copy engine's per-SM ceiling (~35 KB/us, round 2) against per-thread cp.async (LDGSTS)."""
+    base = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0)
+    p8 = dict(base, every=8, ns=3000)
+    return [
+        ("bulk 6 x 31 KB, 132 blocks", "ring", base),
+        ("bulk 6 x 31 KB, 66 blocks", "ring", dict(base, blocks=66)),
+        ("ldgsts 6 x 31 KB, 132 blocks", "ring", dict(base, ldgsts=1)),
+        ("ldgsts 6 x 31 KB, 66 blocks", "ring", dict(base, ldgsts=1, blocks=66)),
+        ("ldgsts 6 x 31 KB, 33 blocks", "ring", dict(base, ldgsts=1, blocks=33)),
+        ("ldgsts 6 x 31 KB, pause 3000 ns every 8", "ring", dict(p8, ldgsts=1)),
+        ("bulk 6 x 31 KB, pause 3000 ns every 8", "ring", p8),
+        ("ldgsts 12 x 16 KB, 132 blocks", "ring", dict(base, ldgsts=1, slots=12, kb=16)),
+        ("ldgsts 12 x 16 KB, pause 3000 ns every 16", "ring", dict(p8, ldgsts=1, slots=12, kb=16, every=16)),
+        ("ldgsts 6 x 31 KB, 66 blocks, traced", "ring", dict(base, ldgsts=1, blocks=66, trace=1)),
+        ("ldg 384 threads x 16 loads, 33 blocks", "ldg", dict(unroll=16, threads=384, blocks=33)),
+    ]
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -100,7 +121,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--round", type=int, default=1, help="1: the survey; 2: why pauses are not hidden")
+    ap.add_argument("--round", type=int, default=1, help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
@@ -134,7 +155,7 @@ def main():
             per_block = (BUFFER_BYTES // blocks) // slot * slot
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint32(s["slots"]), ctypes.c_uint32(slot),
                     ctypes.c_uint32(s["chunks"]), ctypes.c_int(s["consume"]), ctypes.c_uint32(s["every"]),
-                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s.get("skew", 0)), ctypes.c_uint32(s.get("prefetch", 0)), ctypes.c_int(s.get("pf_warp", 0)), ctypes.c_uint64(outp),
+                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s.get("skew", 0)), ctypes.c_uint32(s.get("prefetch", 0)), ctypes.c_int(s.get("pf_warp", 0)), ctypes.c_int(s.get("ldgsts", 0)), ctypes.c_uint64(outp),
                     ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace)]
             f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s.get("pf_warp", 0)), s["slots"] * slot
         else:

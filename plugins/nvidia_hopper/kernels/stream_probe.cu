@@ -16,6 +16,9 @@
 // trace (block 0, first ntrace items): per item the producer's issue time and the consumers' wait
 // start and end (globaltimer ns), so a pause's effect on the copies can be seen item by item.
 //
+// ldgsts: the producer warp's 32 lanes fill each slot with 16-byte cp.async (LDGSTS) instead,
+// completion through cp.async.mbarrier.arrive.noinc (a per-SM ceiling of the copy engine?).
+//
 // probe_ldg: no ring; every thread streams 16-byte ld.global.nc loads, `UNROLL` in flight.
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -61,14 +64,14 @@ __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
-           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, float* out, u64* trace, u32 ntrace) {
+           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, float* out, u64* trace, u32 ntrace) {
     const int nc = blockDim.x - 32 - 32 * pf_warp;  // consumer threads
     const int tid = threadIdx.x;
     const u64 nitems = per_block / slot_bytes;
     const unsigned char* base = src + (u64)blockIdx.x * per_block;
     if (tid == 0) {
         s_issued = 0;
-        for (u32 i = 0; i < nslots; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], nc); }
+        for (u32 i = 0; i < nslots; ++i) { mbar_init(&full_bar[i], ldgsts ? 32 : 1); mbar_init(&empty_bar[i], nc); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     for (int i = tid; i < XLEN / 4; i += blockDim.x) xvec[i] = make_float4(1.f, 0.5f, 0.25f, 0.125f);
@@ -80,6 +83,21 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             const unsigned char* p = base + q * slot_bytes;
             for (u32 o = ln * 128; o < slot_bytes; o += 32 * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(p + o));
         }
+        return;
+    }
+    if (tid >= nc && ldgsts) {  // producer warp, per-thread 16-byte cp.async (LSU path, not the copy engine)
+        const int ln = tid & 31;
+        for (u64 q = 0; q < nitems; ++q) {
+            const u32 s = (u32)(q % nslots);
+            if (q >= nslots) mbar_wait(&empty_bar[s], (u32)((q / nslots - 1) & 1));
+            if (trace && blockIdx.x == 0 && q < ntrace && ln == 0) trace[3 * q] = gtimer();
+            const unsigned char* g = base + q * slot_bytes;
+            const u32 d = saddr(probe_smem + (u64)s * slot_bytes);
+            for (u32 o = ln * 16; o < slot_bytes; o += 32 * 16)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d + o), "l"(g + o) : "memory");
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(saddr(&full_bar[s])) : "memory");
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
         return;
     }
     if (tid >= nc) {  // producer warp
