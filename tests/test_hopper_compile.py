@@ -380,3 +380,11 @@ def test_stream_probe_compiles():
         rep = ptxas_report(log, entry)
         assert "registers" in rep, log[-1500:]
     assert ptxas_report(log, "probe_ring")["spill_stores"] == 0, log[-1500:]
+
+
+def test_lsu_copy_build_compiles():
+    """KOG_HOPPER_COPY_LSU=1: ring slots filled by the producer lanes' 16-byte cp.async instead of
+    the bulk copy engine (an experiment, perf notes session 6)."""
+    cubin, log, rep = _compile(**DEFAULT, COPY_LSU=1)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS, rep
+    assert rep["spill_stores"] <= MAX_SPILL_BYTES, rep

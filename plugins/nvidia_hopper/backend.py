@@ -206,6 +206,8 @@ class HopperBackend(KernelBackend):
             variant["KV_BUFS"] = self.kv_bufs
         if self.signal_warp:
             variant["SIGNAL_WARP"] = 1
+        if _env_int("KOG_HOPPER_COPY_LSU", 0, lo=0, hi=1):  # slots filled by per-lane cp.async (perf notes session 6)
+            variant["COPY_LSU"] = 1
         if _env_int("KOG_HOPPER_INLINE_ATTENTION", 1, lo=0, hi=1):  # no callee saves in the attention (v15)
             variant["INLINE_ATTENTION"] = 1
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None

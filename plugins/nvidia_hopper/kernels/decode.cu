@@ -266,6 +266,22 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
+// COPY_LSU: the producer warp's 32 lanes fill a slot with 16-byte cp.async (the load/store path)
+// instead of one bulk copy: the copy engine tops out at ~35 KB/us per SM, so after a pause at a
+// stage boundary an SM never catches up (stream probe, perf notes session 6). The slot's full
+// barrier then expects 33 arrivals: one per lane when its copies land (noinc) and lane 0's after
+// the header.
+#ifndef COPY_LSU
+#define COPY_LSU 0
+#endif
+#define FULL_ARRIVALS (COPY_LSU ? 33 : 1)
+__device__ __forceinline__ void lsu_copy(void* dst, const void* src, u32 bytes, u64* bar, int ln) {
+    const u32 d = smem_addr(dst);
+    const unsigned char* s = (const unsigned char*)src;
+    for (u32 o = ln * 16; o < bytes; o += 32 * 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d + o), "l"(s + o) : "memory");
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
 __device__ __forceinline__ unsigned char* ring_slot(u32 q) {
     return (unsigned char*)smem4 + RING_OFF + (q % NSLOTS) * SLOT_BYTES;
 }
@@ -381,13 +397,17 @@ __device__ __noinline__ void produce(const Ctx& c) {
                 if (!done) {
                     slot_hdr[slot][0] = ih;  // released to the consumers by the arrive below
                     slot_hdr[slot][1] = ig;
-                    mbar_expect_tx(&full_bar[slot], bytes);
-                    bulk_copy(ring_slot(q), (const void*)(((u64)hi << 32) | lo), bytes, &full_bar[slot]);
+                    if (COPY_LSU) mbar_arrive(&full_bar[slot]);
+                    else {
+                        mbar_expect_tx(&full_bar[slot], bytes);
+                        bulk_copy(ring_slot(q), (const void*)(((u64)hi << 32) | lo), bytes, &full_bar[slot]);
+                    }
                 }
                 q |= done ? 0x80000000u : 0u;
             }
             q = __shfl_sync(0xffffffffu, q, 0);
             if (q & 0x80000000u) { q &= 0x7fffffffu; goto drain; }
+            if (COPY_LSU) lsu_copy(ring_slot(q), (const void*)(((u64)hi << 32) | lo), bytes, &full_bar[slot], ln);
             ++q;
         }
         int done = 0;
@@ -399,6 +419,7 @@ __device__ __noinline__ void produce(const Ctx& c) {
         se_load(ent, n, nbi, nbit, ne, nit);
     }
 drain:
+    if (COPY_LSU) asm volatile("cp.async.wait_all;" ::: "memory");
     if (ln == 0)
         for (u32 r = q > NSLOTS ? q - NSLOTS : 0; r < q; ++r) mbar_wait(&full_bar[r % NSLOTS], (r / NSLOTS) & 1);
 }
@@ -1232,7 +1253,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     const int* prompt = (const int*)run[R_PROMPT];
     const u32 nb = gridDim.x;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], 1); mbar_init(&empty_bar[i], NT); }
+        for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], FULL_ARRIVALS); mbar_init(&empty_bar[i], NT); }
         s_done = 0;
         if (SIGNAL_WARP) s_staged = 0;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
