@@ -32,6 +32,10 @@ def configs(quick: bool = False, round_: int = 1):
         return configs_round2()
     if round_ == 3:
         return configs_round3()
+    if round_ == 4:
+        return configs_round4()
+    if round_ == 5:
+        return configs_round5()
     out = []
     # the decode kernel's ring today: 10 consumer warps, 6 x 31 KB
     base = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0)
@@ -99,6 +103,36 @@ def configs_round3():
     ]
 
 
+def configs_round4():
+    """Bulk copy and cp.async side by side: do their per-SM ceilings add up?"""
+    base = dict(warps=10, slots=6, kb=32, chunks=1, consume=1, every=0, ns=0)
+    p8 = dict(base, every=8, ns=3000)
+    return [
+        ("bulk 6 x 32 KB, 66 blocks", "ring", dict(base, blocks=66)),
+        ("cp.async 2 warps, 66 blocks", "ring", dict(base, blocks=66, ldgsts=2)),
+        ("cp.async 4 warps, 66 blocks", "ring", dict(base, blocks=66, ldgsts=4)),
+        ("bulk 16 KB + cp.async 2 warps 16 KB, 66 blocks", "ring", dict(base, blocks=66, ldgsts=2, lsu_kb=16)),
+        ("bulk 20 KB + cp.async 2 warps 12 KB, 66 blocks", "ring", dict(base, blocks=66, ldgsts=2, lsu_kb=12)),
+        ("bulk 16 KB + cp.async 2 warps 16 KB, 132 blocks", "ring", dict(base, ldgsts=2, lsu_kb=16)),
+        ("  + pause 3000 ns every 8", "ring", dict(p8, ldgsts=2, lsu_kb=16)),
+        ("bulk 6 x 32 KB, pause 3000 ns every 8", "ring", p8),
+        ("cp.async 4 warps, 132 blocks", "ring", dict(base, ldgsts=4)),
+    ]
+
+
+def configs_round5():
+    """The ring plus plain loads into the consumers' registers: do those ceilings add up?"""
+    base = dict(warps=10, slots=6, kb=32, chunks=1, consume=1, every=0, ns=0)
+    return [
+        ("bulk 6 x 32 KB, 66 blocks", "ring", dict(base, blocks=66)),
+        ("  + 16 KB of loads per item, 66 blocks", "ring", dict(base, blocks=66, extra_kb=16)),
+        ("  + 32 KB of loads per item, 66 blocks", "ring", dict(base, blocks=66, extra_kb=32)),
+        ("  + 16 KB of loads per item, 132 blocks", "ring", dict(base, extra_kb=16)),
+        ("  + 16 KB, pause 3000 ns every 8, 132 blocks", "ring", dict(base, extra_kb=16, every=8, ns=3000)),
+        ("bulk 6 x 32 KB, pause 3000 ns every 8", "ring", dict(base, every=8, ns=3000)),
+    ]
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -121,7 +155,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--round", type=int, default=1, help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async")
+    ap.add_argument("--round", type=int, default=1, help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async; 4: both; 5: ring + register loads")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
@@ -152,12 +186,14 @@ def main():
         blocks = s.get("blocks", nb)
         if kind == "ring":
             slot = s["kb"] * 1024
-            per_block = (BUFFER_BYTES // blocks) // slot * slot
+            per_item = slot + s.get("extra_kb", 0) * 1024
+            per_block = (BUFFER_BYTES // blocks) // per_item * per_item
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint32(s["slots"]), ctypes.c_uint32(slot),
                     ctypes.c_uint32(s["chunks"]), ctypes.c_int(s["consume"]), ctypes.c_uint32(s["every"]),
-                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s.get("skew", 0)), ctypes.c_uint32(s.get("prefetch", 0)), ctypes.c_int(s.get("pf_warp", 0)), ctypes.c_int(s.get("ldgsts", 0)), ctypes.c_uint64(outp),
-                    ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace)]
-            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s.get("pf_warp", 0)), s["slots"] * slot
+                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s.get("skew", 0)), ctypes.c_uint32(s.get("prefetch", 0)), ctypes.c_int(s.get("pf_warp", 0)), ctypes.c_int(s.get("ldgsts", 0)),
+                    ctypes.c_uint32(s.get("lsu_kb", s["kb"] if s.get("ldgsts") else 0) * 1024), ctypes.c_uint32(s.get("extra_kb", 0) * 1024),
+                    ctypes.c_uint64(outp), ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace)]
+            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s.get("ldgsts", 0) + s.get("pf_warp", 0)), s["slots"] * slot
         else:
             per_block = (BUFFER_BYTES // blocks) // 16 * 16
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint64(outp)]
@@ -178,7 +214,7 @@ def main():
         if s.get("trace"):
             tr = np.zeros((ntrace, 3), np.uint64)
             check(drv.cuMemcpyDtoH(tr.ctypes.data, d_trace, tr.nbytes), "cuMemcpyDtoH(trace)")
-            lines = trace_summary(tr[:min(ntrace, per_block // slot)].astype(np.int64), s["every"])
+            lines = trace_summary(tr[:min(ntrace, per_block // per_item)].astype(np.int64), s["every"])
             r["trace"] = lines
             print("\n".join(lines), flush=True)
     print(f"copy bandwidth {copy_bw:.3f} TB/s, {nb} blocks, {BUFFER_BYTES >> 30} GB buffer", flush=True)

@@ -16,8 +16,9 @@
 // trace (block 0, first ntrace items): per item the producer's issue time and the consumers' wait
 // start and end (globaltimer ns), so a pause's effect on the copies can be seen item by item.
 //
-// ldgsts: the producer warp's 32 lanes fill each slot with 16-byte cp.async (LDGSTS) instead,
-// completion through cp.async.mbarrier.arrive.noinc (a per-SM ceiling of the copy engine?).
+// ldgsts: that many more warps copy the last lsu_bytes of each slot with 16-byte cp.async (LDGSTS),
+// completion through cp.async.mbarrier.arrive.noinc; the bulk copy takes the rest (lsu_bytes =
+// slot_bytes: none). Do the two paths' per-SM ceilings add up?
 //
 // probe_ldg: no ring; every thread streams 16-byte ld.global.nc loads, `UNROLL` in flight.
 typedef unsigned int u32;
@@ -64,19 +65,23 @@ __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
-           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, float* out, u64* trace, u32 ntrace) {
-    const int nc = blockDim.x - 32 - 32 * pf_warp;  // consumer threads
+           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, u32 lsu_bytes, u32 extra_bytes, float* out, u64* trace, u32 ntrace) {
+    // consumers, then the bulk producer warp, then `ldgsts` cp.async warps, then the prefetch warp
+    const int nc = blockDim.x - 32 - 32 * ldgsts - 32 * pf_warp;
     const int tid = threadIdx.x;
-    const u64 nitems = per_block / slot_bytes;
+    const u64 nitems = per_block / (slot_bytes + extra_bytes);
+    // extra_bytes: with each item the consumers also load that many bytes into registers (plain
+    // 16-byte loads) from the rest of the block's share: do the ring's and the loads' ceilings add?
+    const uint4* extra = (const uint4*)(src + (u64)blockIdx.x * per_block + nitems * slot_bytes);
     const unsigned char* base = src + (u64)blockIdx.x * per_block;
     if (tid == 0) {
         s_issued = 0;
-        for (u32 i = 0; i < nslots; ++i) { mbar_init(&full_bar[i], ldgsts ? 32 : 1); mbar_init(&empty_bar[i], nc); }
+        for (u32 i = 0; i < nslots; ++i) { mbar_init(&full_bar[i], 1 + 32 * ldgsts); mbar_init(&empty_bar[i], nc); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     for (int i = tid; i < XLEN / 4; i += blockDim.x) xvec[i] = make_float4(1.f, 0.5f, 0.25f, 0.125f);
     __syncthreads();
-    if (pf_warp && tid >= nc + 32) {  // prefetch warp: 128-byte L2 prefetches (LSU, not the copy engine)
+    if (pf_warp && tid >= nc + 32 + 32 * ldgsts) {  // prefetch warp: 128-byte L2 prefetches (LSU, not the copy engine)
         const int ln = tid & 31;
         for (u64 q = prefetch; q < nitems; ++q) {  // item q once the producer has issued item q - prefetch
             while ((u64)*(volatile u32*)&s_issued + prefetch < q + 1) { }
@@ -85,15 +90,15 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
         }
         return;
     }
-    if (tid >= nc && ldgsts) {  // producer warp, per-thread 16-byte cp.async (LSU path, not the copy engine)
-        const int ln = tid & 31;
+    if (tid >= nc + 32) {  // cp.async warps: the last lsu_bytes of every slot, 16 bytes a lane (LSU path)
+        const int ln = tid - nc - 32;  // 0 .. 32 * ldgsts - 1
+        const u32 first = slot_bytes - lsu_bytes;
         for (u64 q = 0; q < nitems; ++q) {
             const u32 s = (u32)(q % nslots);
             if (q >= nslots) mbar_wait(&empty_bar[s], (u32)((q / nslots - 1) & 1));
-            if (trace && blockIdx.x == 0 && q < ntrace && ln == 0) trace[3 * q] = gtimer();
             const unsigned char* g = base + q * slot_bytes;
             const u32 d = saddr(probe_smem + (u64)s * slot_bytes);
-            for (u32 o = ln * 16; o < slot_bytes; o += 32 * 16)
+            for (u32 o = first + ln * 16; o < slot_bytes; o += 32 * ldgsts * 16)
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d + o), "l"(g + o) : "memory");
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(saddr(&full_bar[s])) : "memory");
         }
@@ -102,7 +107,7 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
     }
     if (tid >= nc) {  // producer warp
         if (tid != nc) return;
-        const u32 cb = slot_bytes / chunks;
+        const u32 cb = (slot_bytes - lsu_bytes) / chunks;
         for (u64 q = 0; q < nitems; ++q) {
             const u32 s = (u32)(q % nslots);
             if (q >= nslots) mbar_wait(&empty_bar[s], (u32)((q / nslots - 1) & 1));
@@ -110,7 +115,8 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             if (pf_warp) *(volatile u32*)&s_issued = (u32)q;
             else if (prefetch && q + prefetch < nitems)  // ask L2 for an item beyond the ring: HBM keeps streaming through a pause
                 asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + (q + prefetch) * slot_bytes), "r"(slot_bytes) : "memory");
-            mbar_expect_tx(&full_bar[s], slot_bytes);
+            if (lsu_bytes >= slot_bytes) { mbar_arrive(&full_bar[s]); continue; }
+            mbar_expect_tx(&full_bar[s], slot_bytes - lsu_bytes);
             for (u32 k = 0; k < chunks; ++k)
                 bulk_copy(probe_smem + (u64)s * slot_bytes + k * cb, base + q * slot_bytes + k * cb, cb, &full_bar[s]);
         }
@@ -135,6 +141,20 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             }
         }
         mbar_arrive(&empty_bar[s]);
+        if (extra_bytes) {
+            const uint4* e = extra + q * (extra_bytes / 16);
+            const int ne = extra_bytes / 16;
+            uint4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = tid + u * nc;
+                if (i < ne) asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                                         : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(e + i));
+                else v[u] = make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc += __uint_as_float(v[u].x ^ v[u].w);
+        }
         if (pause_every && (q + 1 + blockIdx.x * pause_skew) % pause_every == 0) {
             consumers_sync(nc);
             if (tid == 0) { const u64 t0 = gtimer(); while (gtimer() - t0 < pause_ns) { } }
