@@ -388,3 +388,25 @@ def test_lsu_copy_build_compiles():
     cubin, log, rep = _compile(**DEFAULT, COPY_LSU=1)
     assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS, rep
     assert rep["spill_stores"] <= MAX_SPILL_BYTES, rep
+
+
+@pytest.mark.parametrize("model", ["bench-2b", "laneformer-small"])
+def test_x_scratch_matches_the_stream_plan(model):
+    """The ring is sized from x_scratch before any plan is cut (one stream_plan pass at load); it
+    must equal what stream_plan itself reports, for any slot size, also with several lanes."""
+    from kog_core.interfaces import resolve_factory
+    from kog_core.plugins import load_registry
+    from kog_nvidia_hopper import schedule as S
+    if model == "bench-2b":
+        from kog_moe_standard_tp.llama import Llama
+        from kog_moe_standard_tp.presets import BENCH_2B
+        prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    else:
+        from gpu.hopper_models import LANEFORMER_SMALL
+        arch = resolve_factory(load_registry().architectures["laneformer"].factory)(LANEFORMER_SMALL["laneformer-replicate"])
+        prog = arch.lower(context_length=64, kv_dtype="bf16")
+        assert prog.lanes > 1
+    stages = [st for st in S.lower(prog, 132, 32 * S.NW_DEFAULT, 1) if st.type == "matvec"]
+    for st in stages:
+        for slot_kb in (16, 31):
+            assert S.x_scratch(st, 132) == S.stream_plan(st, 132, S.NW_DEFAULT, slot_kb * 1024)[1], st.label

@@ -248,22 +248,19 @@ class HopperBackend(KernelBackend):
         KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
         into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
         notes, session 4). Returns (slot bytes, {stage: plan}, scratch bytes)."""
-        def plan_all(slot_bytes):
-            return {si: S.stream_plan(st, self.nb, self.nw, slot_bytes, item_rows)
-                    for si, st in enumerate(stages) if st.type == "matvec"}
-        slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
-        plans = plan_all(slot_bytes)
-        for si, (_, xbytes) in plans.items():  # x scratch does not depend on the slot size
+        mv = [si for si, st in enumerate(stages) if st.type == "matvec"]
+        for si in mv:  # x scratch: set by the row dealing alone, not by the slot size
             at = stages[stages[si].f["_attn_stage"]] if "_attn_stage" in stages[si].f else None
-            stages[si].smem = xbytes + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
+            stages[si].smem = S.x_scratch(stages[si], self.nb) + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
+        slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
             avail = self.max_smem - S.STATIC_SMEM - scratch
             n = avail // slot_bytes + 1
             if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
                 slot_bytes = avail // n // 1024 * 1024
-                plans = plan_all(slot_bytes)
-        return slot_bytes, {si: plan for si, (plan, _) in plans.items()}, scratch
+        plans = {si: S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows)[0] for si in mv}
+        return slot_bytes, plans, scratch
 
     def _pack(self, st: S.Stage) -> np.ndarray:
         row = np.zeros(S.NSLOT, np.int64)

@@ -434,6 +434,34 @@ STATIC_SMEM = 8192      # the kernel's static shared memory (reductions, mbarrie
 MAX_SLOTS = 16
 
 
+def _deal_rows(st: Stage, nb: int):
+    """Rows of every (segment, lane) dealt to the blocks in contiguous ranges of equal bytes:
+    yields (segment, lane, rows, pair, block, first row, end row) for every non-empty range."""
+    runs = []  # (segment, lane, rows, pair)
+    for si, sg in enumerate(st.segs):
+        for lane in range(sg["lanes"]):
+            runs.append((si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"])))
+    total = sum(n * (2 if pair else 1) for _, _, n, pair in runs)  # weight rows
+    base = 0
+    for si, lane, n, pair in runs:
+        cost = 2 if pair else 1
+        blk = ((base + np.arange(n, dtype=np.int64) * cost) * nb) // total
+        base += n * cost
+        bounds = np.searchsorted(blk, np.arange(nb + 1))
+        for b in np.nonzero(bounds[1:] > bounds[:-1])[0]:
+            yield si, lane, n, pair, int(b), int(bounds[b]), int(bounds[b + 1])
+
+
+def x_scratch(st: Stage, nb: int) -> int:
+    """Bytes of x scratch a matvec stage needs (the input rows of the lanes one block touches):
+    stream_plan's second result, without cutting items (which depends on the slot size)."""
+    lanes: dict[int, list[int]] = {}
+    for _, lane, *_, b, _r0, _r1 in _deal_rows(st, nb):
+        lanes.setdefault(b, []).append(lane)
+    cnt = max((max(v) - min(v) + 1 for v in lanes.values()), default=0)
+    return cnt * int(st.f["MV_K"]) * 4
+
+
 def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | None = None) -> tuple[np.ndarray, int]:
     """The per-block work list of a matvec stage for the weight stream, and the x scratch it needs.
 
@@ -447,37 +475,26 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     Returns (int32 plan, bytes of x scratch). Layout: see decode.cu (PLAN_ITEMS)."""
     K = int(st.f["MV_K"])
     max_rows = max_rows or 2 * nw
-    runs = []  # (segment, lane, rows, pair)
-    for si, sg in enumerate(st.segs):
-        for lane in range(sg["lanes"]):
-            runs.append((si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"])))
-    total = sum(n * (2 if pair else 1) for _, _, n, pair in runs)  # weight rows
     per_block: list[list[tuple]] = [[] for _ in range(nb)]
-    base = 0
-    for si, lane, n, pair in runs:
+    for si, lane, n, pair, b, r0, r1 in _deal_rows(st, nb):
         cost = 2 if pair else 1
-        blk = ((base + np.arange(n, dtype=np.int64) * cost) * nb) // total
-        base += n * cost
-        bounds = np.searchsorted(blk, np.arange(nb + 1))
-        for b in np.nonzero(bounds[1:] > bounds[:-1])[0]:
-            r0, r1 = int(bounds[b]), int(bounds[b + 1])
-            cap = max_rows // cost
-            ngroups = -(-(r1 - r0) // cap)
-            edges = [r0 + (r1 - r0) * g // ngroups for g in range(ngroups + 1)]
-            if not pair:  # even row counts where possible: a warp takes two rows
-                edges = [e + ((e - r0) & 1) if 0 < g < ngroups else e for g, e in enumerate(edges)]
-            for g in range(ngroups):
-                a, z = edges[g], edges[g + 1]
-                if z <= a:
-                    continue
-                rows = (z - a) * cost
-                kmax = max(8, slot_bytes // (rows * 2) // 8 * 8)
-                chunks = K // 8
-                nsl = -(-chunks // (kmax // 8))
-                cuts = [chunks * i // nsl for i in range(nsl + 1)]
-                for i in range(nsl):
-                    flags = (1 if i == 0 else 0) | (2 if i == nsl - 1 else 0)
-                    per_block[int(b)].append([si, lane, a, z - a, cuts[i] * 8, (cuts[i + 1] - cuts[i]) * 8, flags, 0])
+        cap = max_rows // cost
+        ngroups = -(-(r1 - r0) // cap)
+        edges = [r0 + (r1 - r0) * g // ngroups for g in range(ngroups + 1)]
+        if not pair:  # even row counts where possible: a warp takes two rows
+            edges = [e + ((e - r0) & 1) if 0 < g < ngroups else e for g, e in enumerate(edges)]
+        for g in range(ngroups):
+            a, z = edges[g], edges[g + 1]
+            if z <= a:
+                continue
+            rows = (z - a) * cost
+            kmax = max(8, slot_bytes // (rows * 2) // 8 * 8)
+            chunks = K // 8
+            nsl = -(-chunks // (kmax // 8))
+            cuts = [chunks * i // nsl for i in range(nsl + 1)]
+            for i in range(nsl):
+                flags = (1 if i == 0 else 0) | (2 if i == nsl - 1 else 0)
+                per_block[int(b)].append([si, lane, a, z - a, cuts[i] * 8, (cuts[i + 1] - cuts[i]) * 8, flags, 0])
     head = (3 * nb + 4) & ~3
     offs, lane0, nl, items = [0], [], [], []
     xbytes = 0
