@@ -266,11 +266,11 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
-// COPY_LSU: the producer warp's 32 lanes fill a slot with 16-byte cp.async (the load/store path)
-// instead of one bulk copy: the copy engine tops out at ~35 KB/us per SM, so after a pause at a
-// stage boundary an SM never catches up (stream probe, perf notes session 6). The slot's full
-// barrier then expects 33 arrivals: one per lane when its copies land (noinc) and lane 0's after
-// the header.
+// COPY_LSU (an experiment, off): the producer warp's 32 lanes fill a slot with 16-byte cp.async
+// (the load/store path) instead of one bulk copy, to get past the copy engine's ~35 KB/us per SM.
+// Measured slower (bench-2b 529 vs 600): shared memory fills no faster by this path (stream
+// probe, perf notes session 6). The slot's full barrier then expects 33 arrivals: one per lane
+// when its copies land (noinc) and lane 0's after the header.
 #ifndef COPY_LSU
 #define COPY_LSU 0
 #endif
