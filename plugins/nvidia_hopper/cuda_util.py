@@ -39,8 +39,16 @@ def check(res, what="CUDA call"):
     return vals[0] if len(vals) == 1 else vals
 
 
+def kernel_source(name: str) -> str:
+    """A .cu file of kernels/ with its `#include "x.cuh"` lines replaced by those files (NVRTC
+    gets one self-contained source, and the cubin cache key covers the headers too)."""
+    def expand(m):
+        return (KERNEL_DIR / m.group(1)).read_text()
+    return re.sub(r'^#include "([\w.]+\.cuh)".*$', expand, (KERNEL_DIR / name).read_text(), flags=re.M)
+
+
 def source(header: str) -> str:
-    return header + (KERNEL_DIR / "decode.cu").read_text()
+    return header + kernel_source("decode.cu")
 
 
 def cache_dir() -> Path:

@@ -16,13 +16,13 @@ import json
 
 import numpy as np
 
-from kog_nvidia_hopper.cuda_util import KERNEL_DIR, NVRTC_OPTIONS, check, compile_cubin
+from kog_nvidia_hopper.cuda_util import NVRTC_OPTIONS, check, compile_cubin, kernel_source
 
 BUFFER_BYTES = 4 << 30
 
 
 def compile_probe(unroll: int = 8) -> tuple[bytes, str]:
-    src = f"#define UNROLL {unroll}\n" + (KERNEL_DIR / "stream_probe.cu").read_text()
+    src = f"#define UNROLL {unroll}\n" + kernel_source("stream_probe.cu")
     return compile_cubin(src, NVRTC_OPTIONS, name="stream_probe.cu")
 
 

@@ -17,6 +17,7 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
+#include "ring.cuh"
 
 // Block: NT consumer threads plus one producer warp that streams every matvec's weights into a
 // ring of shared-memory slots with the bulk copy engine, from a per-block item list built by the
@@ -43,8 +44,6 @@ typedef long long i64;
 #endif
 
 // ------------------------------------------------------------------------------ helpers
-__device__ __forceinline__ float bf_lo(u32 u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float bf_hi(u32 u) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 __device__ __forceinline__ u16 f2bf(float f) {
     u32 u = __float_as_uint(f);
@@ -80,18 +79,6 @@ __device__ __forceinline__ u32 ld_sys(const volatile u32* p) {
 }
 
 
-__device__ __forceinline__ float dot8s(uint4 w, float4 a, float4 b, float acc) {
-    acc = fmaf(bf_lo(w.x), a.x, acc); acc = fmaf(bf_hi(w.x), a.y, acc);
-    acc = fmaf(bf_lo(w.y), a.z, acc); acc = fmaf(bf_hi(w.y), a.w, acc);
-    acc = fmaf(bf_lo(w.z), b.x, acc); acc = fmaf(bf_hi(w.z), b.y, acc);
-    acc = fmaf(bf_lo(w.w), b.z, acc); acc = fmaf(bf_hi(w.w), b.w, acc);
-    return acc;
-}
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
 
 struct OpSum { template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
 struct OpMax { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };
@@ -153,7 +140,6 @@ __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
 #ifdef TRACE
 #define NTRACE 4
 #define TRACE_W 16
-__device__ __forceinline__ u64 gtimer() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ u64* trace_row(const i64* run, int it, int s, int nst) {
     const int k = it - (int)run[R_TRACE_IT0];
     if (!run[R_TRACE] || k < 0 || k >= NTRACE) return nullptr;
@@ -246,26 +232,6 @@ __shared__ int4 slot_hdr[NSLOTS][2];  // the item in each slot (written by the p
 __shared__ int s_done;  // set once by the consumers when the request ends; atomics on both sides
 __shared__ u32 s_staged;  // SIGNAL_WARP: stages this block has finished (it * nst + s + 1), for the signal warp
 
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ bool mbar_try(u64* bar, u32 parity) {
-    u32 done;
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-    return done != 0;
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) { while (!mbar_try(bar, parity)) { } }
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
 // COPY_LSU (an experiment, off): the producer warp's 32 lanes fill a slot with 16-byte cp.async
 // (the load/store path) instead of one bulk copy, to get past the copy engine's ~35 KB/us per SM.
 // Measured slower (bench-2b 529 vs 600): shared memory fills no faster by this path (stream
@@ -276,11 +242,9 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
 #endif
 #define FULL_ARRIVALS (COPY_LSU ? 33 : 1)
 __device__ __forceinline__ void lsu_copy(void* dst, const void* src, u32 bytes, u64* bar, int ln) {
-    const u32 d = smem_addr(dst);
-    const unsigned char* s = (const unsigned char*)src;
     for (u32 o = ln * 16; o < bytes; o += 32 * 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d + o), "l"(s + o) : "memory");
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+        cp_async16((unsigned char*)dst + o, (const unsigned char*)src + o);
+    cp_async_arrive_noinc(bar);
 }
 __device__ __forceinline__ unsigned char* ring_slot(u32 q) {
     return (unsigned char*)smem4 + RING_OFF + (q % NSLOTS) * SLOT_BYTES;
@@ -317,12 +281,7 @@ __device__ __forceinline__ int4 shfl4(int4 v, int k) {
     return make_int4(__shfl_sync(0xffffffffu, v.x, k), __shfl_sync(0xffffffffu, v.y, k),
                      __shfl_sync(0xffffffffu, v.z, k), __shfl_sync(0xffffffffu, v.w, k));
 }
-__device__ __forceinline__ void prefetch_l2(uint4 e) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(((u64)e.y << 32) | e.x), "r"(e.z) : "memory");
-}
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
+__device__ __forceinline__ void prefetch_l2(uint4 e) { prefetch_l2((const void*)(((u64)e.y << 32) | e.x), e.z); }
 // The K/V cache rows of this block's first tile of attention stage `as` at token iteration `it`
 // (positions before the new one): asked of L2 when the producer reaches the stage before it, so
 // the tile's copies do not wait on HBM behind the weight stream.
@@ -689,10 +648,6 @@ __device__ void rope_vec(float* v, int hd, int style, const float* cosr, const f
 }
 
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    u32 d = smem_addr(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
-}
 __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
 }

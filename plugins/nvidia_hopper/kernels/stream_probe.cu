@@ -23,6 +23,7 @@
 // probe_ldg: no ring; every thread streams 16-byte ld.global.nc loads, `UNROLL` in flight.
 typedef unsigned int u32;
 typedef unsigned long long u64;
+#include "ring.cuh"  // the decode kernel's ring primitives
 
 #define MAX_SLOTS 16
 #define XLEN 1024  // floats of the dot product's vector (reused across the slot)
@@ -32,36 +33,7 @@ __shared__ u64 full_bar[MAX_SLOTS], empty_bar[MAX_SLOTS];
 __shared__ float4 xvec[XLEN / 4];
 __shared__ u32 s_issued;  // the producer's last issued item (read by the prefetch warp)
 
-__device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(u64* b, u32 n) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(saddr(b)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u64* b, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(saddr(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(saddr(b)) : "memory");
-}
-__device__ __forceinline__ bool mbar_try(u64* b, u32 parity) {
-    u32 ok;
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-                 : "=r"(ok) : "r"(saddr(b)), "r"(parity) : "memory");
-    return ok != 0;
-}
-__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) { while (!mbar_try(b, parity)) { } }
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
-}
-__device__ __forceinline__ u64 gtimer() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1, %0;" :: "r"(n) : "memory"); }
-__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
-    acc = fmaf(__uint_as_float(w.x << 16), a.x, acc); acc = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, acc);
-    acc = fmaf(__uint_as_float(w.y << 16), a.z, acc); acc = fmaf(__uint_as_float(w.y & 0xffff0000u), a.w, acc);
-    acc = fmaf(__uint_as_float(w.z << 16), b.x, acc); acc = fmaf(__uint_as_float(w.z & 0xffff0000u), b.y, acc);
-    acc = fmaf(__uint_as_float(w.w << 16), b.z, acc); acc = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, acc);
-    return acc;
-}
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
@@ -97,10 +69,9 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             const u32 s = (u32)(q % nslots);
             if (q >= nslots) mbar_wait(&empty_bar[s], (u32)((q / nslots - 1) & 1));
             const unsigned char* g = base + q * slot_bytes;
-            const u32 d = saddr(probe_smem + (u64)s * slot_bytes);
-            for (u32 o = first + ln * 16; o < slot_bytes; o += 32 * ldgsts * 16)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d + o), "l"(g + o) : "memory");
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(saddr(&full_bar[s])) : "memory");
+            unsigned char* d = probe_smem + (u64)s * slot_bytes;
+            for (u32 o = first + ln * 16; o < slot_bytes; o += 32 * ldgsts * 16) cp_async16(d + o, g + o);
+            cp_async_arrive_noinc(&full_bar[s]);
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
         return;
@@ -114,7 +85,7 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             if (trace && blockIdx.x == 0 && q < ntrace) trace[3 * q] = gtimer();
             if (pf_warp) *(volatile u32*)&s_issued = (u32)q;
             else if (prefetch && q + prefetch < nitems)  // ask L2 for an item beyond the ring: HBM keeps streaming through a pause
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + (q + prefetch) * slot_bytes), "r"(slot_bytes) : "memory");
+                prefetch_l2(base + (q + prefetch) * slot_bytes, slot_bytes);
             if (lsu_bytes >= slot_bytes) { mbar_arrive(&full_bar[s]); continue; }
             mbar_expect_tx(&full_bar[s], slot_bytes - lsu_bytes);
             for (u32 k = 0; k < chunks; ++k)
@@ -137,7 +108,7 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
 #pragma unroll 4
             for (int i = tid; i < n16; i += nc) {
                 const int xi = (2 * i) & (XLEN / 4 - 1);
-                acc = dot8(w[i], xvec[xi], xvec[xi + 1], acc);
+                acc = dot8s(w[i], xvec[xi], xvec[xi + 1], acc);
             }
         }
         mbar_arrive(&empty_bar[s]);
