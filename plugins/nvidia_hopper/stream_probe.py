@@ -26,19 +26,20 @@ def compile_probe(unroll: int = 8) -> tuple[bytes, str]:
     return compile_cubin(src, NVRTC_OPTIONS, name="stream_probe.cu")
 
 
-# (name, kind, settings): ring = (consumer warps, slots, slot KB, chunks per slot, consume, pause every, pause ns)
+# A configuration is (name, kind, settings). Ring settings: consumer warps, slots, slot KB, bulk
+# copies per slot, consumer dot products (1) or none (0), a pause of `ns` every `every` items,
+# pause stagger, L2 prefetch distance, prefetch warp, cp.async warps (`lsu_kb` of each slot, all of
+# it by default), KB of register loads per item, blocks (default: one per SM), traced.
+# DECODE_RING is the decode kernel's ring on bench-2b (v15): 10 consumer warps, 6 x 31 KB.
+DECODE_RING = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0, skew=0, prefetch=0,
+                   pf_warp=0, ldgsts=0, extra_kb=0)
+
+
 def configs(quick: bool = False, round_: int = 1):
-    if round_ == 2:
-        return configs_round2()
-    if round_ == 3:
-        return configs_round3()
-    if round_ == 4:
-        return configs_round4()
-    if round_ == 5:
-        return configs_round5()
+    if round_ != 1:
+        return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5}[round_]()
     out = []
-    # the decode kernel's ring today: 10 consumer warps, 6 x 31 KB
-    base = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0)
+    base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
     out.append(("  no consumer work", "ring", dict(base, consume=0)))
     for every, ns in ((4, 1000), (4, 3000), (8, 3000), (16, 3000)):
@@ -60,7 +61,7 @@ def configs(quick: bool = False, round_: int = 1):
 
 def configs_round2():
     """Why a pause is not hidden by the ring: per-SM ceiling (fewer blocks), staggered pauses, traces."""
-    base = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0)
+    base = DECODE_RING
     p8 = dict(base, every=8, ns=3000)
     return [
         ("ring as decode (10w, 6x31KB, dot), traced", "ring", dict(base, trace=1)),
@@ -86,7 +87,7 @@ def configs_round2():
 
 def configs_round3():
     """The copy engine's per-SM ceiling (~35 KB/us, round 2) against per-thread cp.async (LDGSTS)."""
-    base = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0)
+    base = DECODE_RING
     p8 = dict(base, every=8, ns=3000)
     return [
         ("bulk 6 x 31 KB, 132 blocks", "ring", base),
@@ -105,7 +106,7 @@ def configs_round3():
 
 def configs_round4():
     """Bulk copy and cp.async side by side: do their per-SM ceilings add up?"""
-    base = dict(warps=10, slots=6, kb=32, chunks=1, consume=1, every=0, ns=0)
+    base = dict(DECODE_RING, kb=32)
     p8 = dict(base, every=8, ns=3000)
     return [
         ("bulk 6 x 32 KB, 66 blocks", "ring", dict(base, blocks=66)),
@@ -122,7 +123,7 @@ def configs_round4():
 
 def configs_round5():
     """The ring plus plain loads into the consumers' registers: do those ceilings add up?"""
-    base = dict(warps=10, slots=6, kb=32, chunks=1, consume=1, every=0, ns=0)
+    base = dict(DECODE_RING, kb=32)
     return [
         ("bulk 6 x 32 KB, 66 blocks", "ring", dict(base, blocks=66)),
         ("  + 16 KB of loads per item, 66 blocks", "ring", dict(base, blocks=66, extra_kb=16)),
@@ -186,14 +187,14 @@ def main():
         blocks = s.get("blocks", nb)
         if kind == "ring":
             slot = s["kb"] * 1024
-            per_item = slot + s.get("extra_kb", 0) * 1024
+            per_item = slot + s["extra_kb"] * 1024
             per_block = (BUFFER_BYTES // blocks) // per_item * per_item
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint32(s["slots"]), ctypes.c_uint32(slot),
                     ctypes.c_uint32(s["chunks"]), ctypes.c_int(s["consume"]), ctypes.c_uint32(s["every"]),
-                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s.get("skew", 0)), ctypes.c_uint32(s.get("prefetch", 0)), ctypes.c_int(s.get("pf_warp", 0)), ctypes.c_int(s.get("ldgsts", 0)),
-                    ctypes.c_uint32(s.get("lsu_kb", s["kb"] if s.get("ldgsts") else 0) * 1024), ctypes.c_uint32(s.get("extra_kb", 0) * 1024),
+                    ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s["skew"]), ctypes.c_uint32(s["prefetch"]), ctypes.c_int(s["pf_warp"]), ctypes.c_int(s["ldgsts"]),
+                    ctypes.c_uint32(s.get("lsu_kb", s["kb"] if s["ldgsts"] else 0) * 1024), ctypes.c_uint32(s["extra_kb"] * 1024),
                     ctypes.c_uint64(outp), ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace)]
-            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s.get("ldgsts", 0) + s.get("pf_warp", 0)), s["slots"] * slot
+            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s["ldgsts"] + s["pf_warp"]), s["slots"] * slot
         else:
             per_block = (BUFFER_BYTES // blocks) // 16 * 16
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint64(outp)]
