@@ -378,7 +378,7 @@ __device__ __noinline__ void produce(const Ctx& c) {
         se_load(ent, n, nbi, nbit, ne, nit);
     }
 drain:
-    if (COPY_LSU) asm volatile("cp.async.wait_all;" ::: "memory");
+    if (COPY_LSU) cp_wait_all();
     if (ln == 0)
         for (u32 r = q > NSLOTS ? q - NSLOTS : 0; r < q; ++r) mbar_wait(&full_bar[r % NSLOTS], (r / NSLOTS) & 1);
 }
@@ -648,11 +648,6 @@ __device__ void rope_vec(float* v, int hd, int style, const float* cosr, const f
 }
 
 
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // K/V sub-chunk buffers of the attention (2: the next sub-chunk's copies overlap this one's math;
 // 1 leaves 17 KB more shared memory to the weight ring at hd = 128, schedule._attn_stage)
 #ifndef KV_BUFS
@@ -860,7 +855,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             if (s + KV_BUFS < nsub) att_issue(Kb, Vb, kc, vc, a + KV_BUFS * ATT_SUB, min(a + (KV_BUFS + 1) * ATT_SUB, p1), skip, hd, RS);
             else cp_commit();
         }
-        asm volatile("cp.async.wait_all;" ::: "memory");
+        cp_wait_all();
         TMARK(c, 12);
         for (int i = tid; i < GH; i += NT) {
             const int gi = i / hd, d = i - gi * hd, h = g * G + gi;

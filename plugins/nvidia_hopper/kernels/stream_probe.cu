@@ -73,7 +73,7 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             for (u32 o = first + ln * 16; o < slot_bytes; o += 32 * ldgsts * 16) cp_async16(d + o, g + o);
             cp_async_arrive_noinc(&full_bar[s]);
         }
-        asm volatile("cp.async.wait_all;" ::: "memory");
+        cp_wait_all();
         return;
     }
     if (tid >= nc) {  // producer warp
