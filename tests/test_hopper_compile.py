@@ -339,13 +339,6 @@ def test_ring_slots_fill_the_shared_memory_the_stages_leave(monkeypatch):
     assert scratch32 == scratch and slot == 32 * 1024 and (hb.max_smem - S.STATIC_SMEM - scratch) // slot == 5
 
 
-def test_signal_warp_build_compiles_at_168_registers():
-    """KOG_HOPPER_SIGNAL_WARP=1 with 10 consumer warps: 12 warps a block again (so 168 registers),
-    the signal warp publishing stage completions."""
-    cubin, _, rep = _compile(NT=320, KV_BUFS=1, SIGNAL_WARP=1)
-    assert cubin[:4] == b"\x7fELF" and 128 < rep["registers"] <= MAX_REGISTERS
-
-
 def test_ptxas_report_counts_the_spills_of_every_function():
     """A noinline callee's spills are the kernel's too: the report sums them."""
     from kog_nvidia_hopper.cuda_util import ptxas_report
@@ -364,9 +357,10 @@ ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loa
 
 def test_noinline_attention_build_compiles():
     """KOG_HOPPER_INLINE_ATTENTION=0 (the v14 build): run_attention a noinline callee, whose callee
-    saves spill ~150 bytes more."""
+    saves spill ~150 bytes more; with the signal warp and 10 consumer warps a block is 12 warps
+    again, so above 128 registers."""
     cubin, _, rep = _compile(**dict(DEFAULT, INLINE_ATTENTION=0))
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS and rep["spill_stores"] <= 200
+    assert cubin[:4] == b"\x7fELF" and 128 < rep["registers"] <= MAX_REGISTERS and rep["spill_stores"] <= 200
 
 
 def test_stream_probe_compiles():
