@@ -196,8 +196,8 @@ class HopperBackend(KernelBackend):
         check(drv.cuMemcpyHtoD(self.d_desc, self.desc.ctypes.data, self.desc.nbytes), "cuMemcpyHtoD(stages)")
         self.nst = len(stages)
         self.d_counters = self._alloc(self.nst * 4)
-        # the weight ring takes the shared memory the stages leave
-        nslots = min(S.MAX_SLOTS, (self.max_smem - S.STATIC_SMEM - scratch) // slot_bytes)
+        # the weight ring takes the shared memory the stages leave, up to KOG_HOPPER_SLOTS slots
+        nslots = min(self.max_slots, (self.max_smem - S.STATIC_SMEM - scratch) // slot_bytes)
         if nslots < 2:
             raise CapabilityError(f"nvidia_hopper: the stages need {scratch} bytes of shared memory, leaving no "
                                   f"room for two {slot_bytes}-byte weight slots (try KOG_HOPPER_SLOT_KB=16)")
@@ -254,6 +254,7 @@ class HopperBackend(KernelBackend):
             stages[si].smem = S.x_scratch(stages[si], self.nb) + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
+        self.max_slots = _env_int("KOG_HOPPER_SLOTS", S.MAX_SLOTS, lo=2, hi=S.MAX_SLOTS)
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
             avail = self.max_smem - S.STATIC_SMEM - scratch
             n = avail // slot_bytes + 1

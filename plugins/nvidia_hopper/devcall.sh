@@ -10,7 +10,8 @@
 #   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
 #   pick       export the fastest of the variants just run (KOG_HOPPER_* settings) for later phases
 #   trace      per-stage timestamps (trace.py) for TRACE_PRESETS under each of TRACE_ENVS
-#   probe      the weight stream alone (stream_probe.py): ring and plain-load TB/s, pauses
+#   probe      the weight stream alone (stream_probe.py): ring and plain-load TB/s, pauses, load
+#              latency while streaming, the ring from L2 (PROBE_ARGS="--round 6 7")
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -66,7 +67,7 @@ sanitize)
 trace)
   export PYTHONPATH=${SITE:-/tmp/site}
   for m in ${TRACE_PRESETS:-bench-2b}; do for v in ${TRACE_ENVS:-"KOG_HOPPER_PREFETCH=0"}; do
-    f=$OUT/trace_${m}_${v//[^A-Za-z0-9]/_}
+    f=$OUT/trace_${m}_${v//[^A-Za-z0-9]/_}${TRACE_SKIP:+_skip$TRACE_SKIP}  # a second trace phase must not overwrite the first
     env ${v//,/ } timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m ${TRACE_SKIP:+--skip $TRACE_SKIP} --save $f.npz > $f.log 2>&1
     echo "== trace $m $v rc=$?"; head -1 $f.log | cut -c1-200; grep -A12 "^token:" $f.log | cut -c1-120
   done; done ;;

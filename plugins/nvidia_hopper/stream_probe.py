@@ -32,12 +32,13 @@ def compile_probe(unroll: int = 8) -> tuple[bytes, str]:
 # it by default), KB of register loads per item, blocks (default: one per SM), traced.
 # DECODE_RING is the decode kernel's ring on bench-2b (v15): 10 consumer warps, 6 x 31 KB.
 DECODE_RING = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0, skew=0, prefetch=0,
-                   pf_warp=0, ldgsts=0, extra_kb=0)
+                   pf_warp=0, ldgsts=0, extra_kb=0, lat_warp=0, lat_kind=0)
+LAT_KINDS = {0: "ld.cg", 1: "ld.acquire.gpu", 2: "fence.acq_rel + ld.cg"}
 
 
 def configs(quick: bool = False, round_: int = 1):
     if round_ != 1:
-        return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5}[round_]()
+        return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6, 7: configs_round7}[round_]()
     out = []
     base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
@@ -134,6 +135,43 @@ def configs_round5():
     ]
 
 
+def configs_round6():
+    """What does one global load cost a consumer while the ring streams? (A stage boundary's
+    counter poll, input load and residual load are such loads, one after another.)"""
+    base = DECODE_RING
+    lat = dict(base, lat_warp=1)
+    return [
+        ("load chains alone, ld.cg", "lat", dict(lat_kind=0)),
+        ("load chains alone, ld.acquire.gpu", "lat", dict(lat_kind=1)),
+        ("load chains alone, fence + ld.cg", "lat", dict(lat_kind=2)),
+        ("ring as decode + chains, ld.cg", "ring", dict(lat, lat_kind=0)),
+        ("ring as decode + chains, ld.acquire.gpu", "ring", dict(lat, lat_kind=1)),
+        ("ring as decode + chains, fence + ld.cg", "ring", dict(lat, lat_kind=2)),
+        ("  3 x 31 KB + chains, ld.cg", "ring", dict(lat, slots=3)),
+        ("  4 x 31 KB + chains, ld.cg", "ring", dict(lat, slots=4)),
+        ("  66 blocks + chains, ld.cg", "ring", dict(lat, blocks=66)),
+        ("  no consumer work + chains, ld.cg", "ring", dict(lat, consume=0)),
+        ("  pause 3000 ns every 8 + chains, ld.cg", "ring", dict(lat, every=8, ns=3000)),
+    ]
+
+
+def configs_round7():
+    """Does the copy engine fill shared memory faster from L2 than from HBM? (If so, weights asked
+    of L2 during a stage boundary's pause could be caught up after it.) Each block re-reads a share
+    of `wrap` items: 6 x 31 KB = 24 MB over 132 blocks, within the H200's 50 MB L2."""
+    base = DECODE_RING
+    return [
+        ("ring as decode, from HBM", "ring", base),
+        ("  from L2 (6 items a block, re-read)", "ring", dict(base, wrap=6)),
+        ("  from L2, 66 blocks", "ring", dict(base, wrap=6, blocks=66)),
+        ("  from L2, 33 blocks", "ring", dict(base, wrap=6, blocks=33)),
+        ("  from L2, no consumer work", "ring", dict(base, wrap=6, consume=0)),
+        ("  from L2, 3 x 64 KB", "ring", dict(base, wrap=3, slots=3, kb=64)),
+        ("  from L2, 12 x 16 KB", "ring", dict(base, wrap=12, slots=12, kb=16)),
+        ("  from L2 + chains, ld.cg", "ring", dict(base, wrap=6, lat_warp=1)),
+    ]
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -156,7 +194,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--round", type=int, default=1, help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async; 4: both; 5: ring + register loads")
+    ap.add_argument("--round", type=int, nargs="+", default=[1],
+                    help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async; 4: both; "
+                         "5: ring + register loads; 6: a load's latency while the ring streams; 7: the ring from L2 (several: in turn)")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
@@ -166,6 +206,15 @@ def main():
     buf = hb._alloc(BUFFER_BYTES)
     check(drv.cuMemsetD32(buf, 0x3f803f80, BUFFER_BYTES // 4), "memset")
     outp = hb._alloc(4 * nb)
+    # the latency chains' table: 1024 u32 a line (128 B) apart, a cycle through all of them
+    chase_n = 1024 * 32
+    chase = np.zeros(chase_n, np.uint32)
+    order = np.random.default_rng(0).permutation(1024)
+    for k in range(1024):
+        chase[order[k] * 32] = order[(k + 1) % 1024] * 32
+    d_chase = hb._alloc(chase.nbytes)
+    check(drv.cuMemcpyHtoD(d_chase, chase.ctypes.data, chase.nbytes), "cuMemcpyHtoD(chase)")
+    d_lat = hb._alloc(3 * 8)
     mods = {}
 
     def fn(kind, unroll=8):
@@ -174,6 +223,9 @@ def main():
             cubin, _ = compile_probe(unroll)
             mod = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
             f = check(drv.cuModuleGetFunction(mod, b"probe_" + kind.encode()), "cuModuleGetFunction")
+            if kind == "lat":
+                mods[key] = f
+                return f
             check(drv.cuFuncSetAttribute(f, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          hb.max_smem - 8192), "cuFuncSetAttribute")
             mods[key] = f
@@ -183,9 +235,13 @@ def main():
     results = []
     ntrace = 4096
     d_trace = hb._alloc(ntrace * 3 * 8)
-    for name, kind, s in configs(a.quick, a.round):
+    for name, kind, s in [c for r in a.round for c in configs(a.quick, r)]:
         blocks = s.get("blocks", nb)
-        if kind == "ring":
+        if kind == "lat":
+            per_block = 0
+            args = [ctypes.c_uint64(d_chase), ctypes.c_int(s["lat_kind"]), ctypes.c_uint32(256), ctypes.c_uint64(d_lat)]
+            f, threads, smem = fn("lat"), 32, 0
+        elif kind == "ring":
             slot = s["kb"] * 1024
             per_item = slot + s["extra_kb"] * 1024
             per_block = (BUFFER_BYTES // blocks) // per_item * per_item
@@ -193,14 +249,17 @@ def main():
                     ctypes.c_uint32(s["chunks"]), ctypes.c_int(s["consume"]), ctypes.c_uint32(s["every"]),
                     ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s["skew"]), ctypes.c_uint32(s["prefetch"]), ctypes.c_int(s["pf_warp"]), ctypes.c_int(s["ldgsts"]),
                     ctypes.c_uint32(s.get("lsu_kb", s["kb"] if s["ldgsts"] else 0) * 1024), ctypes.c_uint32(s["extra_kb"] * 1024),
-                    ctypes.c_uint64(outp), ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace)]
-            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s["ldgsts"] + s["pf_warp"]), s["slots"] * slot
+                    ctypes.c_uint64(outp), ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace),
+                    ctypes.c_int(s["lat_warp"]), ctypes.c_int(s["lat_kind"]), ctypes.c_uint64(d_chase), ctypes.c_uint64(d_lat),
+                    ctypes.c_uint32(s.get("wrap", 0))]
+            f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s["ldgsts"] + s["pf_warp"] + s["lat_warp"]), s["slots"] * slot
         else:
             per_block = (BUFFER_BYTES // blocks) // 16 * 16
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint64(outp)]
             f, threads, smem = fn("ldg", s["unroll"]), s["threads"], 0
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
         times = []
+        check(drv.cuMemsetD32(d_lat, 0, 6), "cuMemsetD32(lat)")
         for _ in range(6):
             check(drv.cuEventRecord(e0, hb.stream))
             check(drv.cuLaunchKernel(f, blocks, 1, 1, threads, 1, 1, smem, hb.stream, ctypes.addressof(ptrs), 0), "cuLaunchKernel")
@@ -211,7 +270,14 @@ def main():
         tbps = per_block * blocks / t / 1e12
         r = dict(name=name.strip(), kind=kind, **s, TBps=round(tbps, 3), of_copy=round(tbps / copy_bw, 3))
         results.append(r)
-        print(f"{name:44s} {tbps:6.3f} TB/s  {tbps / copy_bw:5.3f} of copy", flush=True)
+        line = f"{name:44s} {tbps:6.3f} TB/s  {tbps / copy_bw:5.3f} of copy"
+        if kind == "lat" or s.get("lat_warp"):
+            lat = np.zeros(3, np.uint64)
+            check(drv.cuMemcpyDtoH(lat.ctypes.data, d_lat, lat.nbytes), "cuMemcpyDtoH(lat)")
+            r["load_ns"] = round(float(lat[0]) / max(float(lat[1]), 1.0), 1)
+            r["worst_chain_ns"] = int(lat[2])
+            line += f"  one load {r['load_ns']:7.1f} ns (worst chain of 8: {int(lat[2])} ns)"
+        print(line, flush=True)
         if s.get("trace"):
             tr = np.zeros((ntrace, 3), np.uint64)
             check(drv.cuMemcpyDtoH(tr.ctypes.data, d_trace, tr.nbytes), "cuMemcpyDtoH(trace)")

@@ -22,7 +22,8 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
     done - median done (imbalance); p_ahead = how long before the median block got its input the
     producer had reached the stage; p_stall = producer time blocked on a full ring; c_wait = consumer
     time blocked on an empty slot (data not landed); rel = the release's own time. Attention stages
-    also get their phases (blocks with a tile): q/k/v loaded + RoPE, first K/V, loop, partials."""
+    also get their phases (blocks with a tile): q/k/v loaded + RoPE, first K/V, loop, partials;
+    matvec stages with an input loader when its input landed (thread 0) and the norm's sum done."""
     tr = tr.astype(np.int64)
     ntok, nst, nb, _ = tr.shape
     rows = []
@@ -52,7 +53,9 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
                       np.median(tt[:, 12] - tt[:, 11]), np.median(tt[:, 13] - tt[:, 12]), np.median(tt[:, 3] - tt[:, 13])]
             else:
                 ph = [0] * 5
-            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7])))
+            xin = np.median(t[s, :, 14] - t[s, :, 1]) if t[s, :, 14].all() else 0
+            nrm = np.median(t[s, :, 15] - t[s, :, 14]) if xin and t[s, :, 15].all() else 0
+            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm))
             prev_done = done.max()
         rows.append(r)
     if not rows:
@@ -66,6 +69,8 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
                 f"{c[5]:8.2f} {c[6]:8.2f} {c[7]:7.2f} {c[8]:6.2f} {int(c[14] * 1e3):7d}")
         if c[9:14].any():
             line += "  attention phases " + " / ".join(f"{v:.2f}" for v in c[9:14])
+        if c[15]:
+            line += f"  load: input landed {c[15]:.2f}" + (f", norm sum {c[16]:.2f}" if c[16] else "")
         out.append(line)
     by = {}
     for s in range(nst):

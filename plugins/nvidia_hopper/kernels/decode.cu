@@ -96,9 +96,12 @@ __device__ __forceinline__ void csync() {
     asm volatile("bar.sync 1, %0;" :: "n"(NT) : "memory");
 }
 
-// Block-wide reductions (all consumer threads must call; result broadcast). red: NW + 1 values of smem.
+// Block-wide reductions (all consumer threads must call; result broadcast) through s_red (NW + 1
+// values; named here, not passed, so its accesses compile to LDS/STS).
+__shared__ float s_red[NW + 2];
 template <class T, class Op>
-__device__ T block_reduce(T v, T identity, T* red, Op op) {
+__device__ __forceinline__ T block_reduce(T v, T identity, Op op) {
+    T* red = (T*)s_red;
     v = warp_reduce(v, op);
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;
     csync();
@@ -112,9 +115,9 @@ __device__ T block_reduce(T v, T identity, T* red, Op op) {
     csync();
     return red[NW];
 }
-__device__ float block_sum(float v, float* red) { return block_reduce(v, 0.f, red, OpSum()); }
-__device__ float block_max(float v, float* red) { return block_reduce(v, -__int_as_float(0x7f800000), red, OpMax()); }
-__device__ u32 block_count(u32 v, u32* red) { return block_reduce(v, 0u, red, OpSum()); }
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, 0.f, OpSum()); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, -__int_as_float(0x7f800000), OpMax()); }
+__device__ __forceinline__ u32 block_count(u32 v) { return block_reduce(v, 0u, OpSum()); }
 
 // ------------------------------------------------------------------------------ Philox
 __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
@@ -136,7 +139,7 @@ __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
 // u64 (globaltimer ns): consumer 0 stage entered, 1 wait done, 2 input loaded, 3 done; producer
 // 4 stage reached, 5 last copy issued, 6 ns spent waiting for free slots; 7 SM id; 8 consumer ns
 // waiting for full slots; 9 release done; attention 10 q/k/v ready, 11 first K/V landed, 12 loop
-// done, 13 partials written.
+// done, 13 partials written; matvec input loader 14 thread 0's loads landed, 15 norm's sum done.
 #ifdef TRACE
 #define NTRACE 4
 #define TRACE_W 16
@@ -151,20 +154,23 @@ __device__ __forceinline__ u64* trace_row(const i64* run, int it, int s, int nst
 #endif
 
 // ------------------------------------------------------------------------------ context
+// This stage's, the previous stage's and (arriving during this stage) the next stage's descriptors,
+// and this block's share of them (schedule.stream_list block info). Stage functions index s_desc
+// themselves (Ctx carries buffer numbers, not pointers): a pointer into it that travels through Ctx
+// is generic, and every descriptor read would be a generic load instead of an LDS.
+__shared__ __align__(16) i64 s_desc[3][NSLOT];
+__shared__ int4 s_blk[3];
 struct Ctx {
 #ifdef TRACE
     u64* tr;
 #endif
-    const i64* st;      // this stage's descriptor (a shared-memory copy)
-    const i64* prev;    // the previous stage's descriptor (shared memory too)
+    int dcur, dprev;    // s_desc rows of this stage's and the previous stage's descriptors
     int4 blk;           // this block's share of a matvec stage: items, first lane, lanes
     const i64* stages;  // every stage's descriptor (global memory)
     int start_pos;
     i64* run;           // run parameters + state
     float* logits_all;  // logits mode: one row per position (run[R_LOGITS_ALL])
     int it, pos, tok, P, logits_mode, nst;
-    float* sm;          // dynamic shared memory
-    float* red;         // small reduction scratch (NW + 1 floats)
     int skipmask;       // benchmark breakdown: stage kinds not executed
 };
 
@@ -172,7 +178,7 @@ __device__ __forceinline__ float fslot(const i64* st, int i) { return __int_as_f
 
 // ------------------------------------------------------------------------------ matvec
 __device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && target) {  // target 0: the breakdown's "no waits" (no load at all)
         while (ld_acquire(ctr) < target) { }
     }
     csync();
@@ -200,7 +206,7 @@ __device__ __forceinline__ void att_chunks(const i64* at, int pos, int& start, i
 
 // Stage input for the embedding mode: block 0 also writes the embedding row (the residual stream).
 __device__ void write_embedding(const Ctx& c) {
-    const i64* st = c.st;
+    const i64* st = s_desc[c.dcur];
     if (!((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0)) return;
     const int K = (int)st[MV_K], L = (int)st[MV_L];
     const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
@@ -227,6 +233,10 @@ __device__ __forceinline__ bool mv_runs(const i64* st, int it, const Ctx& c) {
 #define IT_LAST 2
 
 extern __shared__ float4 smem4[];
+// The stages' shared scratch as float*, always derived from smem4 in the function that uses it:
+// a pointer that reaches a noinline function through Ctx is generic, and its loads compile to
+// generic LD (address-window check) instead of LDS, also in the matvec's inner loop.
+__device__ __forceinline__ float* smem_f() { return (float*)smem4; }
 __shared__ u64 full_bar[NSLOTS], empty_bar[NSLOTS];
 __shared__ int4 slot_hdr[NSLOTS][2];  // the item in each slot (written by the producer before the copy)
 __shared__ int s_done;  // set once by the consumers when the request ends; atomics on both sides
@@ -393,8 +403,10 @@ drain:
 // Loads are issued in batches of XV per thread before any is used: a loop of one load per
 // iteration costs a full L2 round trip per iteration (K = 8192: six) on every stage's critical path.
 // wpre: this thread's norm weights when the caller loaded them before its wait (null: load here).
+// (A pointer: wpre lives in local memory. Kept in registers instead, the kernel spills 56 bytes
+// elsewhere, in the attention and the stage loop.)
 __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, const uint2* wpre) {
-    const i64* st = c.st;
+    const i64* st = s_desc[c.dcur];
     const int K = (int)st[MV_K], K4 = K >> 2;
     const int mode = (int)st[MV_IN_MODE];
     const float* in = (const float*)st[MV_IN] + (i64)lane * K;
@@ -426,8 +438,10 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
             }
         }
     }
+    TMARK(c, 14);  // thread 0's input loads landed
     if (mode & IN_NORM) {
-        const float tot = block_sum(ss, c.red);  // includes the barrier
+        const float tot = block_sum(ss);  // includes the barrier
+        TMARK(c, 15);
         const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));  // x / d * w, as the reference rounds
         for (int base = 0; base < K4; base += XV * NT) {
             uint2 w[XV];
@@ -455,8 +469,8 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
 // partials (m, l, o): x[h][d] = sum_k exp(m_k - M) o_k[d] / sum_k exp(m_k - M) l_k.
 // wk: H * MAXCH * 2 floats of shared memory for the chunk weights.
 __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
-    const i64* at = c.prev;  // MV_ATTN: the attention is always the stage just before (fuse_attention_combine)
-    const int K = (int)c.st[MV_K];
+    const i64* at = s_desc[c.dprev];  // MV_ATTN: the attention is always the stage just before (fuse_attention_combine)
+    const int K = (int)s_desc[c.dcur][MV_K];
     const int H = (int)at[AT_H], hd = (int)at[AT_HD], MAXCH = (int)at[AT_MAXCH];
     int start, nch, csz;
     att_chunks(at, c.pos, start, nch, csz);
@@ -504,15 +518,16 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
 // writes its outputs after the last slice. Every consumer thread releases every slot (empty barrier: NT arrivals).
 // Item headers come with the data (slot_hdr) and the block's share from c.blk (shared memory):
 // no global read but the input (and the norm weights, read before the wait) on the critical path.
-__device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wtarget) {
-    const i64* st = c.st;
+__device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 wtarget) {
+    u32 q = q_io;  // a register copy: through the reference, every item re-read it from local memory
+    const i64* st = s_desc[c.dcur];
     const int nb = gridDim.x;
     const int nitems = c.blk.x, lane0 = c.blk.y, nl = c.blk.z;
     const int K = (int)st[MV_K], K4 = K >> 2;
     const int flags = (int)st[MV_FLAGS];
     const int mode = (int)st[MV_IN_MODE];
     const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
-    float* xs = c.sm;
+    float* xs = smem_f();
     __shared__ float s_best[NW];
     __shared__ int s_bidx[NW];
     uint2 wpre[XV];
@@ -547,6 +562,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
     float best = -__int_as_float(0x7f800000);
     int bidx = 0x7fffffff;
     float acc0 = 0.f, acc1 = 0.f;
+    float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane 0)
     for (int j = 0; j < nitems; ++j, ++q) {
         const u32 slot = q % NSLOTS;
 #ifdef TRACE
@@ -564,11 +580,11 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
         const bool va = (pair ? warp : ra) < h.w, vb = pair ? va : rb < h.w;
         const int lane = h.x >> 2;
         const int r0 = h.z + ra, r1 = h.z + rb;
-        // epilogue inputs of a last slice, read before the dot products (same order of additions as the reference)
-        float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;
+        // epilogue inputs of the row group, read with its first slice and used after its last (a
+        // load's round trip grows with the bytes the ring has in flight: stream probe round 6)
         const u16* bias = (const u16*)sg[SEG_BIAS];
         const float* res = (const float*)sg[SEG_RES];
-        if ((g.z & IT_LAST) && !pair && ln == 0 && va) {
+        if ((g.z & IT_FIRST) && !pair && ln == 0 && va) {
             if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]); }
             if (res) { const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
         }
@@ -611,6 +627,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q, const u32* wctr, u32 wta
             if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
         }
     }
+    q_io = q;
 #ifdef TRACE
     if (c.tr && tid == 0) c.tr[8] = twait;
 #endif
@@ -676,14 +693,14 @@ __device__ __forceinline__ void att_issue(u16* Kb, u16* Vb, const u16* kc, const
 // Shared memory of the attention stage (schedule._attn_stage sizes it): q and running output
 // [G][hd], new key / value [hd], scores [G][ATT_SUB], P.V partials NT * 8, then the K/V buffers.
 __device__ __forceinline__ u16* att_kvbuf(const Ctx& c) {
-    const int G = (int)c.st[AT_H] / (int)c.st[AT_HKV], hd = (int)c.st[AT_HD];
-    return (u16*)(c.sm + 2 * G * hd + 2 * hd + G * ATT_SUB + NT * 8);
+    const int G = (int)s_desc[c.dcur][AT_H] / (int)s_desc[c.dcur][AT_HKV], hd = (int)s_desc[c.dcur][AT_HD];
+    return (u16*)(smem_f() + 2 * G * hd + 2 * hd + G * ATT_SUB + NT * 8);
 }
 // Issue tile t's first KV_BUFS K/V sub-chunks (KV_BUFS cp.async groups). They depend on nothing in this
 // token (the new position is left out; its tile writes it), so the stage issues the first tile's
 // before it waits for q.
 __device__ void att_issue_first(const Ctx& c, int t) {
-    const i64* st = c.st;
+    const i64* st = s_desc[c.dcur];
     const int Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD], T = (int)st[AT_T];
     int start, nch, csz;
     att_chunks(st, c.pos, start, nch, csz);
@@ -703,8 +720,8 @@ __device__ void att_issue_first(const Ctx& c, int t) {
 }
 __device__ __forceinline__ int att_ntiles(const Ctx& c) {
     int start, nch, csz;
-    att_chunks(c.st, c.pos, start, nch, csz);
-    return (int)c.st[AT_L] * (int)c.st[AT_HKV] * nch;
+    att_chunks(s_desc[c.dcur], c.pos, start, nch, csz);
+    return (int)s_desc[c.dcur][AT_L] * (int)s_desc[c.dcur][AT_HKV] * nch;
 }
 
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that the
@@ -720,7 +737,7 @@ __device__ __forceinline__ void run_attention(Ctx& c) {
 #else
 __device__ __noinline__ void run_attention(Ctx& c) {
 #endif
-    const i64* st = c.st;
+    const i64* st = s_desc[c.dcur];
     const int L = (int)st[AT_L], H = (int)st[AT_H], Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD];
     const int T = (int)st[AT_T], MAXCH = (int)st[AT_MAXCH];
     const int G = H / Hkv;
@@ -740,7 +757,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
     // P.V mapping: thread = (group, head, 8 columns); NSPLIT groups split the positions
     const int ncol = G * nd8, nsplit = NT / ncol;
     // shared layout (schedule._attn_stage sizes it)
-    float* q = c.sm;                       // [G][hd] queries, rotated
+    float* q = smem_f();                   // [G][hd] queries, rotated
     float* kn = q + GH;                    // [hd] new key (rotated, bf16-rounded)
     float* vn = kn + hd;                   // [hd] new value (bf16-rounded)
     float* ob = vn + hd;                   // [G][hd] running output
@@ -913,7 +930,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
 
 // ------------------------------------------------------------------------------ elementwise
 __device__ __noinline__ void run_ew(Ctx& c) {
-    const i64* st = c.st;
+    const i64* st = s_desc[c.dcur];
     const int op = (int)st[EW_OP];
     const int L = (int)st[EW_L];
     const int D = (int)st[EW_D];  // per-lane row length
@@ -1017,7 +1034,7 @@ __device__ __forceinline__ u32 fkey(float f) {
 // largest c such that f(c) holds, f monotone (true for small c), searching in [lo, hi]
 // kind 0: count(comb >= c) >= k ; kind 1: mass(comb >= c, comb >= cmin) >= target ; kind 2: > target
 __device__ u64 sample_search(const float* z, const float* p, int V, int kind, u32 k, float target,
-                             u64 cmin, u64 lo, u64 hi, float* red) {
+                             u64 cmin, u64 lo, u64 hi) {
     while (lo < hi) {
         u64 mid = lo + ((hi - lo) >> 1) + 1;  // hi > lo: no overflow
         bool ok;
@@ -1027,7 +1044,7 @@ __device__ u64 sample_search(const float* z, const float* p, int V, int kind, u3
                 u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
                 cntv += cb >= mid;
             }
-            ok = block_count(cntv, (u32*)red) >= k;
+            ok = block_count(cntv) >= k;
         } else {
             float s = 0.f;
             u64 th = mid > cmin ? mid : cmin;
@@ -1035,7 +1052,7 @@ __device__ u64 sample_search(const float* z, const float* p, int V, int kind, u3
                 u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
                 if (cb >= th) s += p[i];
             }
-            float m = block_sum(s, red);
+            float m = block_sum(s);
             ok = kind == 1 ? (m >= target) : (m > target);
         }
         if (ok) lo = mid; else hi = mid - 1;
@@ -1043,17 +1060,17 @@ __device__ u64 sample_search(const float* z, const float* p, int V, int kind, u3
     return lo;
 }
 
-__device__ float mass_ge(const float* z, const float* p, int V, u64 th, float* red) {
+__device__ float mass_ge(const float* z, const float* p, int V, u64 th) {
     float s = 0.f;
     for (int i = threadIdx.x; i < V; i += NT) {
         u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
         if (cb >= th) s += p[i];
     }
-    return block_sum(s, red);
+    return block_sum(s);
 }
 
 __device__ __noinline__ void run_sample(Ctx& c) {
-    const i64* st = c.st;
+    const i64* st = s_desc[c.dcur];
     i64* run = c.run;
     if (blockIdx.x != 0) return;
     const int tid = threadIdx.x;
@@ -1112,27 +1129,26 @@ __device__ __noinline__ void run_sample(Ctx& c) {
     } else {
         float* z = (float*)run[R_SCRATCH];
         float* p = z + V;
-        float* red = c.red;
         float zm = -__int_as_float(0x7f800000);
         for (int i = tid; i < V; i += NT) { float v = __fdiv_rn(ldf(logits + i), temp); z[i] = v; zm = fmaxf(zm, v); }
-        zm = block_max(zm, red);
+        zm = block_max(zm);
         for (int i = tid; i < V; i += NT) p[i] = expf(z[i] - zm);
         csync();
         int topk = (int)run[R_TOPK];
         u64 cmin = 0;
-        if (topk > 0 && topk < V) cmin = sample_search(z, p, V, 0, (u32)topk, 0.f, 0, 0, ~0ull, red);
-        float total = mass_ge(z, p, V, cmin, red);
+        if (topk > 0 && topk < V) cmin = sample_search(z, p, V, 0, (u32)topk, 0.f, 0, 0, ~0ull);
+        float total = mass_ge(z, p, V, cmin);
         float topp = __int_as_float((int)run[R_TOPP]);
         u64 ckeep = cmin;
         if (topp < 1.0f) {
-            u64 cp = sample_search(z, p, V, 1, 0, topp * total, cmin, cmin, ~0ull, red);
+            u64 cp = sample_search(z, p, V, 1, 0, topp * total, cmin, cmin, ~0ull);
             ckeep = cp > cmin ? cp : cmin;
         }
-        float kept = mass_ge(z, p, V, ckeep, red);
+        float kept = mass_ge(z, p, V, ckeep);
         u32 w = philox_w0((u64)run[R_SEED], (u32)n);
         float u = (float)(w >> 8) * (1.0f / 16777216.0f);
         float tu = u * kept;
-        u64 ce = sample_search(z, p, V, 2, 0, tu, ckeep, ckeep, ~0ull, red);
+        u64 ce = sample_search(z, p, V, 2, 0, tu, ckeep, ckeep, ~0ull);
         // ce is the comb of the chosen element (or ckeep: the last kept one)
         if (tid == 0) s_tok = (int)(0xffffffffu - (u32)(ce & 0xffffffffu));
         csync();
@@ -1181,19 +1197,14 @@ __device__ __noinline__ void signal_stages(u32* counters, int nst) {
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
-    __shared__ float red[NW + 2];
     // this stage's, the previous stage's and (arriving during this stage) the next stage's
     // descriptors, and this block's share of them (schedule.stream_list block info)
-    __shared__ __align__(16) i64 s_desc[3][NSLOT];
-    __shared__ int4 s_blk[3];
     const int4* binfo = (const int4*)run[R_BINFO];
     Ctx c;
     c.run = run;
     c.logits_all = (float*)run[R_LOGITS_ALL];
     c.nst = nst;
     c.stages = stages;
-    c.sm = (float*)smem4;
-    c.red = red;
     c.P = (int)run[R_PROMPT_LEN];
     c.logits_mode = (int)run[R_LOGITS_MODE];
     c.skipmask = (int)run[R_SKIP];
@@ -1231,8 +1242,8 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
         for (int s = 0; s < nst; ++s, ++sd) {
             const u32 cur = sd % 3, nxt = (sd + 1) % 3;
             const i64* st = s_desc[cur];
-            c.st = st;
-            c.prev = s_desc[(sd + 2) % 3];
+            c.dcur = (int)cur;
+            c.dprev = (int)((sd + 2) % 3);
             c.blk = s_blk[cur];
             // the next stage's row lands in the buffer of stage sd - 2 (read by nobody since the
             // last barrier) while this stage runs: cp.async, so no register holds it across the

@@ -20,6 +20,11 @@
 // completion through cp.async.mbarrier.arrive.noinc; the bulk copy takes the rest (lsu_bytes =
 // slot_bytes: none). Do the two paths' per-SM ceilings add up?
 //
+// lat_warp: one more warp whose lane 0, while the ring streams, times chains of 8 dependent loads
+// through `chase` (a small L2-resident table: a stage boundary's poll, input or residual load is
+// such a load), kind 0 ld.global.cg, 1 ld.acquire.gpu, 2 fence.acq_rel.gpu + ld.global.cg; sums
+// (ns, loads, worst chain) go to lat_out. probe_lat: the same chains with nothing else running.
+//
 // probe_ldg: no ring; every thread streams 16-byte ld.global.nc loads, `UNROLL` in flight.
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -32,27 +37,64 @@ extern __shared__ __align__(128) unsigned char probe_smem[];
 __shared__ u64 full_bar[MAX_SLOTS], empty_bar[MAX_SLOTS];
 __shared__ float4 xvec[XLEN / 4];
 __shared__ u32 s_issued;  // the producer's last issued item (read by the prefetch warp)
+__shared__ u32 s_cdone;   // the consumers are done (read by the latency warp)
+
+// One dependent chain of 8 loads through `chase` from index i; returns the last index.
+__device__ __forceinline__ u32 chase8(const u32* chase, u32 i, int kind) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (kind == 1) asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(i) : "l"(chase + i) : "memory");
+        else {
+            if (kind == 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(i) : "l"(chase + i) : "memory");
+        }
+    }
+    return i;
+}
+__device__ __forceinline__ void lat_record(u64* lat_out, u64 sum, u64 n, u64 worst) {
+    atomicAdd(lat_out, sum);
+    atomicAdd(lat_out + 1, n);
+    atomicMax(lat_out + 2, worst);
+}
 
 __device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1, %0;" :: "r"(n) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
-           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, u32 lsu_bytes, u32 extra_bytes, float* out, u64* trace, u32 ntrace) {
-    // consumers, then the bulk producer warp, then `ldgsts` cp.async warps, then the prefetch warp
-    const int nc = blockDim.x - 32 - 32 * ldgsts - 32 * pf_warp;
+           int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, u32 lsu_bytes, u32 extra_bytes, float* out, u64* trace, u32 ntrace,
+           int lat_warp, int lat_kind, const u32* chase, u64* lat_out, u32 wrap_items) {
+    // consumers, then the bulk producer warp, then `ldgsts` cp.async warps, then the prefetch warp, then the latency warp
+    const int nc = blockDim.x - 32 - 32 * ldgsts - 32 * pf_warp - 32 * lat_warp;
     const int tid = threadIdx.x;
     const u64 nitems = per_block / (slot_bytes + extra_bytes);
     // extra_bytes: with each item the consumers also load that many bytes into registers (plain
     // 16-byte loads) from the rest of the block's share: do the ring's and the loads' ceilings add?
     const uint4* extra = (const uint4*)(src + (u64)blockIdx.x * per_block + nitems * slot_bytes);
-    const unsigned char* base = src + (u64)blockIdx.x * per_block;
+    // wrap_items > 0: item q reads the block's item q % wrap_items, so a small share stays in L2
+    const unsigned char* base = src + (u64)blockIdx.x * (wrap_items ? (u64)wrap_items * slot_bytes : per_block);
     if (tid == 0) {
         s_issued = 0;
+        s_cdone = 0;
         for (u32 i = 0; i < nslots; ++i) { mbar_init(&full_bar[i], 1 + 32 * ldgsts); mbar_init(&empty_bar[i], nc); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     for (int i = tid; i < XLEN / 4; i += blockDim.x) xvec[i] = make_float4(1.f, 0.5f, 0.25f, 0.125f);
     __syncthreads();
+    if (lat_warp && tid >= nc + 32 + 32 * ldgsts + 32 * pf_warp) {  // latency warp: lane 0 times load chains
+        if ((tid & 31) != 0) return;
+        u32 i = (blockIdx.x * 37u) & 1023u;
+        u64 sum = 0, n = 0, worst = 0;
+        while (!*(volatile u32*)&s_cdone) {
+            const u64 t0 = gtimer();
+            i = chase8(chase, i, lat_kind);
+            const u64 dt = gtimer() - t0;
+            sum += dt; n += 8; worst = dt > worst ? dt : worst;
+            __nanosleep(500);
+        }
+        lat_record(lat_out, sum, n, worst);
+        if (i == 0xffffffffu) out[0] = 0.f;
+        return;
+    }
     if (pf_warp && tid >= nc + 32 + 32 * ldgsts) {  // prefetch warp: 128-byte L2 prefetches (LSU, not the copy engine)
         const int ln = tid & 31;
         for (u64 q = prefetch; q < nitems; ++q) {  // item q once the producer has issued item q - prefetch
@@ -89,7 +131,8 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             if (lsu_bytes >= slot_bytes) { mbar_arrive(&full_bar[s]); continue; }
             mbar_expect_tx(&full_bar[s], slot_bytes - lsu_bytes);
             for (u32 k = 0; k < chunks; ++k)
-                bulk_copy(probe_smem + (u64)s * slot_bytes + k * cb, base + q * slot_bytes + k * cb, cb, &full_bar[s]);
+                bulk_copy(probe_smem + (u64)s * slot_bytes + k * cb, base + (wrap_items ? q % wrap_items : q) * slot_bytes + k * cb,
+                          cb, &full_bar[s]);
         }
         for (u64 q = nitems > nslots ? nitems - nslots : 0; q < nitems; ++q)  // none may be in flight at exit
             mbar_wait(&full_bar[q % nslots], (u32)((q / nslots) & 1));
@@ -132,7 +175,23 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             consumers_sync(nc);
         }
     }
+    if (tid == 0) *(volatile u32*)&s_cdone = 1;
     if (acc == 1.2345f) out[blockIdx.x] = acc;  // keeps the dot products alive
+}
+
+// The load chains of the latency warp with nothing else running (one thread per block).
+extern "C" __global__ void probe_lat(const u32* chase, int lat_kind, u32 chains, u64* lat_out) {
+    if (threadIdx.x != 0) return;
+    u32 i = (blockIdx.x * 37u) & 1023u;
+    u64 sum = 0, worst = 0;
+    for (u32 c = 0; c < chains; ++c) {
+        const u64 t0 = gtimer();
+        i = chase8(chase, i, lat_kind);
+        const u64 dt = gtimer() - t0;
+        sum += dt; worst = dt > worst ? dt : worst;
+        __nanosleep(500);
+    }
+    lat_record(lat_out, sum, (u64)chains * 8 + (i == 0xffffffffu), worst);
 }
 
 #ifndef UNROLL
