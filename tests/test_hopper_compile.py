@@ -430,3 +430,35 @@ def test_sass_report_counts_local_and_generic_accesses_by_source_line(monkeypatc
     with pytest.raises(KogError) as e:
         nvdisasm()
     assert "nvidia-cuda-nvdisasm" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_norm_smem_experiment_compiles_and_reserves_the_norm_weights(monkeypatch):
+    """KOG_HOPPER_NORM_SMEM=1 (an experiment, off; perf notes session 7): the preloaded norm
+    weights go to shared memory after the x rows, so a normed stage's scratch grows by K * 2 bytes;
+    the build stays within the register and spill budgets."""
+    from types import SimpleNamespace
+    from kog_moe_standard_tp.llama import Llama
+    from kog_moe_standard_tp.presets import BENCH_2B
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.backend import HopperBackend
+    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1)
+    S.fuse_attention_combine(prog, stages)
+    for st in stages:
+        if st.type == "matvec":
+            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    monkeypatch.delenv("KOG_HOPPER_SLOT_KB", raising=False)
+    sizes = {}
+    for flag in (0, 1):
+        hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024, norm_smem=flag)
+        _, _, scratch = HopperBackend._ring_slots(hb, stages, None)
+        sizes[flag] = ([st.smem for st in stages], scratch)
+    normed = [i for i, st in enumerate(stages) if st.type == "matvec" and st.f["MV_IN_MODE"] & S.CONSTS["IN_NORM"]]
+    assert normed
+    for i, st in enumerate(stages):
+        extra = int(st.f["MV_K"]) * 2 if i in normed else 0
+        assert sizes[1][0][i] == sizes[0][0][i] + extra
+    assert sizes[1][1] == sizes[0][1]  # bench-2b: the attention's scratch still sets the ring's offset
+    cubin, _, rep = _compile(**dict(DEFAULT, NORM_SMEM=1))
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] <= MAX_SPILL_BYTES, rep

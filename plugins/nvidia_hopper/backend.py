@@ -163,6 +163,8 @@ class HopperBackend(KernelBackend):
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
+        # an experiment, off (decode.cu NORM_SMEM): preloaded norm weights by cp.async into shared memory
+        self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 0, lo=0, hi=1)
         slot_bytes, plans, scratch = self._ring_slots(stages, item_rows)
         streamed = []
         for si, st in enumerate(stages):
@@ -208,6 +210,8 @@ class HopperBackend(KernelBackend):
             variant["SIGNAL_WARP"] = 1
         if _env_int("KOG_HOPPER_COPY_LSU", 0, lo=0, hi=1):  # slots filled by per-lane cp.async (perf notes session 6)
             variant["COPY_LSU"] = 1
+        if self.norm_smem:
+            variant["NORM_SMEM"] = 1
         if _env_int("KOG_HOPPER_INLINE_ATTENTION", 1, lo=0, hi=1):  # no callee saves in the attention (v15)
             variant["INLINE_ATTENTION"] = 1
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None
@@ -252,6 +256,8 @@ class HopperBackend(KernelBackend):
         for si in mv:  # x scratch: set by the row dealing alone, not by the slot size
             at = stages[stages[si].f["_attn_stage"]] if "_attn_stage" in stages[si].f else None
             stages[si].smem = S.x_scratch(stages[si], self.nb) + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
+            if getattr(self, "norm_smem", 0) and int(stages[si].f["MV_IN_MODE"]) & S.CONSTS["IN_NORM"]:
+                stages[si].smem += int(stages[si].f["MV_K"]) * 2  # NORM_SMEM: the norm weights after the x rows
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         self.max_slots = _env_int("KOG_HOPPER_SLOTS", S.MAX_SLOTS, lo=2, hi=S.MAX_SLOTS)

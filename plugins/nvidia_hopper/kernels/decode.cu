@@ -399,13 +399,20 @@ drain:
 // four values at float4 i of the lower half and the last four at float4 i of the upper half.
 
 #define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
+// NORM_SMEM (an experiment, off; KOG_HOPPER_NORM_SMEM=1): the norm weights that a stage loads before
+// its wait go to shared memory by cp.async (after the x rows) instead of to wpre, which lives in
+// local memory (6 LDL after the wait, sass_report) and costs 56 bytes of spills in registers.
+#ifndef NORM_SMEM
+#define NORM_SMEM 0
+#endif
 
 // Loads are issued in batches of XV per thread before any is used: a loop of one load per
 // iteration costs a full L2 round trip per iteration (K = 8192: six) on every stage's critical path.
 // wpre: this thread's norm weights when the caller loaded them before its wait (null: load here).
 // (A pointer: wpre lives in local memory. Kept in registers instead, the kernel spills 56 bytes
-// elsewhere, in the attention and the stage loop.)
-__device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, const uint2* wpre) {
+// elsewhere, in the attention and the stage loop.) nws (NORM_SMEM): the same weights copied by this
+// thread into shared memory with cp.async (null: not there); each thread reads only its own copies.
+__device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, const uint2* wpre, const u16* nws) {
     const i64* st = s_desc[c.dcur];
     const int K = (int)st[MV_K], K4 = K >> 2;
     const int mode = (int)st[MV_IN_MODE];
@@ -443,12 +450,14 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
         const float tot = block_sum(ss);  // includes the barrier
         TMARK(c, 15);
         const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));  // x / d * w, as the reference rounds
+        if (NORM_SMEM && nws) cp_wait_all();
         for (int base = 0; base < K4; base += XV * NT) {
             uint2 w[XV];
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
-                if (i < K4) w[u] = wpre ? wpre[u] : *(const uint2*)(nw + 4 * i);
+                if (i < K4) w[u] = (NORM_SMEM && nws) ? *(const uint2*)(nws + 4 * i)
+                                 : wpre ? wpre[u] : *(const uint2*)(nw + 4 * i);
             }
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
@@ -532,13 +541,20 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
     __shared__ int s_bidx[NW];
     uint2 wpre[XV];
     const bool pre_norm = (mode & IN_NORM) && nl > 0 && K4 <= XV * NT;
+    // NORM_SMEM: after the x rows (schedule: the stage's scratch includes them; not with IN_ATTN,
+    // whose chunk weights sit there)
+    u16* nws = NORM_SMEM && pre_norm && !(mode & IN_ATTN) ? (u16*)(xs + nl * K) : nullptr;
     if (pre_norm) {
         const u16* nw = (const u16*)st[MV_NORM_W] + lane0 * st[MV_NORM_WL];
 #pragma unroll
         for (int u = 0; u < XV; ++u) {
             const int i = u * NT + tid;
-            if (i < K4) wpre[u] = *(const uint2*)(nw + 4 * i);
+            if (i < K4) {
+                if (NORM_SMEM && nws) cp_async8(nws + 4 * i, nw + 4 * i);
+                else wpre[u] = *(const uint2*)(nw + 4 * i);
+            }
         }
+        if (NORM_SMEM && nws) cp_commit();
     }
 
     wait_counter(wctr, wtarget);
@@ -550,7 +566,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             mv_load_attn(c, lane0 + l, xs + l * K, xs + nl * K);
             csync();  // the chunk weights are reused by the next lane
         } else {
-            mv_load_x(c, lane0 + l, xs + l * K, pre_norm && l == 0 ? wpre : nullptr);
+            mv_load_x(c, lane0 + l, xs + l * K, pre_norm && l == 0 ? wpre : nullptr, l == 0 ? nws : nullptr);
         }
     }
     csync();
