@@ -28,6 +28,22 @@ def _compile(**variant):
     return cubin, log, ptxas_report(log)
 
 
+def _bench2b_stages_as_loaded():
+    """bench-2b's stages as HopperBackend.load has them when it sizes the ring (default build: 10
+    consumer warps, one K/V buffer, the attention combine fused into o_proj, matvecs finalized).
+    Fresh every call: _ring_slots writes each stage's smem."""
+    from kog_moe_standard_tp.llama import Llama
+    from kog_moe_standard_tp.presets import BENCH_2B
+    from kog_nvidia_hopper import schedule as S
+    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1)
+    S.fuse_attention_combine(prog, stages)
+    for st in stages:
+        if st.type == "matvec":
+            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    return stages
+
+
 @pytest.fixture(scope="module")
 def compiled():
     return _compile(**DEFAULT)
@@ -321,16 +337,9 @@ def test_ring_slots_fill_the_shared_memory_the_stages_leave(monkeypatch):
     """By default bench-2b's ring is six 31 KB slots (H200: 227 KB of shared memory a block), not five
     of 32; KOG_HOPPER_SLOT_KB still sets the size."""
     from types import SimpleNamespace
-    from kog_moe_standard_tp.llama import Llama
-    from kog_moe_standard_tp.presets import BENCH_2B
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.backend import HopperBackend
-    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
-    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1)
-    S.fuse_attention_combine(prog, stages)
-    for st in stages:
-        if st.type == "matvec":
-            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    stages = _bench2b_stages_as_loaded()
     hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024)
     monkeypatch.delenv("KOG_HOPPER_SLOT_KB", raising=False)
     slot, plans, scratch = HopperBackend._ring_slots(hb, stages, None)
@@ -437,16 +446,9 @@ def test_norm_smem_experiment_compiles_and_reserves_the_norm_weights(monkeypatch
     weights go to shared memory after the x rows, so a normed stage's scratch grows by K * 2 bytes;
     the build stays within the register and spill budgets."""
     from types import SimpleNamespace
-    from kog_moe_standard_tp.llama import Llama
-    from kog_moe_standard_tp.presets import BENCH_2B
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.backend import HopperBackend
-    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
-    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1)
-    S.fuse_attention_combine(prog, stages)
-    for st in stages:
-        if st.type == "matvec":
-            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    stages = _bench2b_stages_as_loaded()
     monkeypatch.delenv("KOG_HOPPER_SLOT_KB", raising=False)
     sizes = {}
     for flag in (0, 1):
