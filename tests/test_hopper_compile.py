@@ -340,7 +340,7 @@ def test_ring_slots_fill_the_shared_memory_the_stages_leave(monkeypatch):
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.backend import HopperBackend
     stages = _bench2b_stages_as_loaded()
-    hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024)
+    hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024, norm_smem=0)
     monkeypatch.delenv("KOG_HOPPER_SLOT_KB", raising=False)
     slot, plans, scratch = HopperBackend._ring_slots(hb, stages, None)
     assert scratch == (max(st.smem for st in stages) + 127) // 128 * 128 and scratch < 34 * 1024

@@ -199,7 +199,8 @@ class HopperBackend(KernelBackend):
         self.nst = len(stages)
         self.d_counters = self._alloc(self.nst * 4)
         # the weight ring takes the shared memory the stages leave, up to KOG_HOPPER_SLOTS slots
-        nslots = min(self.max_slots, (self.max_smem - S.STATIC_SMEM - scratch) // slot_bytes)
+        max_slots = _env_int("KOG_HOPPER_SLOTS", S.MAX_SLOTS, lo=2, hi=S.MAX_SLOTS)
+        nslots = min(max_slots, (self.max_smem - S.STATIC_SMEM - scratch) // slot_bytes)
         if nslots < 2:
             raise CapabilityError(f"nvidia_hopper: the stages need {scratch} bytes of shared memory, leaving no "
                                   f"room for two {slot_bytes}-byte weight slots (try KOG_HOPPER_SLOT_KB=16)")
@@ -256,11 +257,10 @@ class HopperBackend(KernelBackend):
         for si in mv:  # x scratch: set by the row dealing alone, not by the slot size
             at = stages[stages[si].f["_attn_stage"]] if "_attn_stage" in stages[si].f else None
             stages[si].smem = S.x_scratch(stages[si], self.nb) + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
-            if getattr(self, "norm_smem", 0) and int(stages[si].f["MV_IN_MODE"]) & S.CONSTS["IN_NORM"]:
+            if self.norm_smem and int(stages[si].f["MV_IN_MODE"]) & S.CONSTS["IN_NORM"]:
                 stages[si].smem += int(stages[si].f["MV_K"]) * 2  # NORM_SMEM: the norm weights after the x rows
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
-        self.max_slots = _env_int("KOG_HOPPER_SLOTS", S.MAX_SLOTS, lo=2, hi=S.MAX_SLOTS)
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
             avail = self.max_smem - S.STATIC_SMEM - scratch
             n = avail // slot_bytes + 1
