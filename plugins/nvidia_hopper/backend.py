@@ -152,6 +152,8 @@ class HopperBackend(KernelBackend):
         prefetch = _env_int("KOG_HOPPER_PREFETCH", 0, lo=0, hi=32)  # items the L2 prefetch runs ahead of the ring
         # weight rows per item (0: the default, 2 per consumer warp; a warp takes at most two)
         item_rows = _env_int("KOG_HOPPER_ITEM_ROWS", 0, lo=0, hi=2 * self.nw) or None
+        # k-slices cut on multiples of 256 columns (every lane busy in every step of the dot loop)
+        self.kalign = 32 if _env_int("KOG_HOPPER_KALIGN", 0, lo=0, hi=1) else 1
         rows = []
         combine = os.environ.get("KOG_HOPPER_ATTN_COMBINE", "loader")
         if combine not in ("loader", "ticket"):
@@ -266,7 +268,7 @@ class HopperBackend(KernelBackend):
             n = avail // slot_bytes + 1
             if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
                 slot_bytes = avail // n // 1024 * 1024
-        plans = {si: S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows)[0] for si in mv}
+        plans = {si: S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows, self.kalign)[0] for si in mv}
         return slot_bytes, plans, scratch
 
     def _pack(self, st: S.Stage) -> np.ndarray:

@@ -84,7 +84,8 @@ def report(variant: dict, top: int = 40) -> list[str]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--set", nargs="*", default=[], help="build #defines over the default, e.g. NSLOTS=4")
+    ap.add_argument("--set", nargs="*", action="extend", default=[],
+                    help="build #defines over the default, e.g. --set NSLOTS=4 NT=256 (repeatable)")
     ap.add_argument("--top", type=int, default=40)
     a = ap.parse_args()
     variant = dict(DEFAULT_BUILD)

@@ -462,7 +462,8 @@ def x_scratch(st: Stage, nb: int) -> int:
     return cnt * int(st.f["MV_K"]) * 4
 
 
-def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | None = None) -> tuple[np.ndarray, int]:
+def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | None = None,
+                kalign: int = 1) -> tuple[np.ndarray, int]:
     """The per-block work list of a matvec stage for the weight stream, and the x scratch it needs.
 
     Rows of every (segment, lane) are dealt to the blocks in contiguous ranges of equal bytes
@@ -488,10 +489,8 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
             if z <= a:
                 continue
             rows = (z - a) * cost
-            kmax = max(8, slot_bytes // (rows * 2) // 8 * 8)
-            chunks = K // 8
-            nsl = -(-chunks // (kmax // 8))
-            cuts = [chunks * i // nsl for i in range(nsl + 1)]
+            cuts = _k_cuts(K // 8, max(1, slot_bytes // (rows * 2) // 8), kalign)
+            nsl = len(cuts) - 1
             for i in range(nsl):
                 flags = (1 if i == 0 else 0) | (2 if i == nsl - 1 else 0)
                 per_block[int(b)].append([si, lane, a, z - a, cuts[i] * 8, (cuts[i + 1] - cuts[i]) * 8, flags, 0])
@@ -524,6 +523,20 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     if items:
         plan[head:] = np.asarray(items, np.int64).ravel()
     return plan, xbytes
+
+
+def _k_cuts(chunks: int, max_chunks: int, kalign: int) -> list[int]:
+    """Boundaries (in 8-column chunks) of a row group's k-slices: as few slices as fit
+    max_chunks each. kalign = 1: equal slices. kalign = 32: boundaries on multiples of 32 chunks
+    (256 columns) where that fits, so that every consumer lane has a chunk in every step of the
+    dot loop (decode.cu run_matvec: lane i takes chunks i, i + 32, ...); a slice of 85 chunks
+    takes 3 steps for 85/96 of the work."""
+    if kalign > 1 and max_chunks >= kalign and chunks % kalign == 0:
+        units, per = chunks // kalign, max_chunks // kalign
+        nsl = -(-units // per)
+        return [kalign * (units * i // nsl) for i in range(nsl + 1)]
+    nsl = -(-chunks // max_chunks)
+    return [chunks * i // nsl for i in range(nsl + 1)]
 
 
 def plan_items(plan: np.ndarray, nb: int) -> np.ndarray:

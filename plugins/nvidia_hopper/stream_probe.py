@@ -38,7 +38,8 @@ LAT_KINDS = {0: "ld.cg", 1: "ld.acquire.gpu", 2: "fence.acq_rel + ld.cg"}
 
 def configs(quick: bool = False, round_: int = 1):
     if round_ != 1:
-        return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6, 7: configs_round7}[round_]()
+        return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6,
+                7: configs_round7, 8: configs_round8}[round_]()
     out = []
     base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
@@ -172,6 +173,20 @@ def configs_round7():
     ]
 
 
+def configs_round8():
+    """How much slack over the copies do the consumers need? Each item costs the consumers a
+    little more (a pause of `ns` after every item, their barrier included): if the ring's rate
+    falls as soon as the consumers' time per item nears the copy's, consumer speed per item is
+    what the decode kernel's stream (~27 KB/us per SM on the LM head, the probe 34) lacks."""
+    base = DECODE_RING
+    out = [("ring as decode (10w, 6x31KB, dot)", "ring", base)]
+    for ns in (100, 200, 300, 500):
+        out.append((f"  + {ns} ns per item", "ring", dict(base, every=1, ns=ns)))
+    out.append(("  8 consumer warps, 5 x 32 KB", "ring", dict(base, warps=8, slots=5, kb=32)))
+    out.append(("  8 consumer warps, 5 x 32 KB, + 200 ns per item", "ring", dict(base, warps=8, slots=5, kb=32, every=1, ns=200)))
+    return out
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -196,7 +211,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--round", type=int, nargs="+", default=[1],
                     help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async; 4: both; "
-                         "5: ring + register loads; 6: a load's latency while the ring streams; 7: the ring from L2 (several: in turn)")
+                         "5: ring + register loads; 6: a load's latency while the ring streams; 7: the ring from L2; "
+                         "8: consumer time per item (several: in turn)")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement

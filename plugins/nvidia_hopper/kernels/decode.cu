@@ -399,6 +399,7 @@ drain:
 // four values at float4 i of the lower half and the last four at float4 i of the upper half.
 
 #define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
+                // (7 or 8, to load down's 8192 in one round trip at 10 warps, spill 84+ bytes)
 // NORM_SMEM (an experiment, off; KOG_HOPPER_NORM_SMEM=1): the norm weights that a stage loads before
 // its wait go to shared memory by cp.async (after the x rows) instead of to wpre, which lives in
 // local memory (6 LDL after the wait, sass_report) and costs 56 bytes of spills in registers.
@@ -669,8 +670,11 @@ __device__ __forceinline__ void rope_pair(float a, float b, float cs, float sn, 
     oa = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
     ob = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
 }
-__device__ void rope_vec(float* v, int hd, int style, const float* cosr, const float* sinr) {
-    // v: one head in shared memory, rotated in place (called by one warp)
+// One head at float offset `off` of the stage scratch, rotated in place (called by one warp). The
+// head is named by its offset, not a pointer: a pointer parameter is generic, and its loads and
+// stores would take the generic path instead of LDS / STS (sass_report); the tables are read-only.
+__device__ __noinline__ void rope_vec(int off, int hd, int style, const float* cosr, const float* sinr) {
+    float* v = smem_f() + off;
     int h2 = hd / 2;
     for (int j = threadIdx.x & 31; j < h2; j += 32) {
         int ia = style == 1 ? j : 2 * j, ib = style == 1 ? j + h2 : 2 * j + 1;
@@ -809,8 +813,8 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         }
         if (tid < 8) { s_m[tid] = -__int_as_float(0x7f800000); s_l[tid] = 0.f; }
         csync();
-        if (ropeq && warp < G) rope_vec(q + warp * hd, hd, ropeq, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
-        if (own && ropek && warp == NW - 1) rope_vec(kn, hd, ropek, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
+        if (ropeq && warp < G) rope_vec(warp * hd, hd, ropeq, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
+        if (own && ropek && warp == NW - 1) rope_vec(GH, hd, ropek, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
         csync();
         TMARK(c, 10);
         if (own) {
