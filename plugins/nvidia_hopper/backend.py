@@ -112,6 +112,12 @@ class HopperBackend(KernelBackend):
         # attention K/V sub-chunk buffers: 1 by default leaves 17 KB more shared memory to the weight ring
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs)
+        # attention tiles to aim for (decode.cu att_chunks; default one per block): fewer, longer
+        # chunks leave fewer partials for o_proj's loader, which every block reads in full
+        att_tiles = _env_int("KOG_HOPPER_ATT_TILES", 0, lo=0, hi=self.nb)
+        for st in stages:
+            if st.type == "attn" and att_tiles:
+                st.f["AT_TARGET"] = att_tiles
         self.T = program.context_length
         ptr: dict[str, int] = {}
         consts = program.metadata.get("consts", {})
