@@ -6,10 +6,10 @@ import pytest
 
 from kog_core.errors import BackendUnavailable, KogError
 
-# The default build (v15): 10 consumer warps + the producer + the signal warp (12 warps a block, so
+# The default build (v17): 10 consumer warps + the producer + the signal warp (12 warps a block, so
 # up to 168 registers a thread: the register file's quadrants cap 13 warps at 128), one attention
-# K/V buffer, the attention inlined.
-DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1, INLINE_ATTENTION=1)
+# K/V buffer, the attention inlined, the preloaded norm weights in shared memory.
+DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1, INLINE_ATTENTION=1, NORM_SMEM=1)
 MAX_REGISTERS = 168
 # Spill bytes of the whole kernel (every function): 0 since session 8. History: 4 at the entry in
 # v15 (the next stage's descriptor row by cp.async instead of registers held across the noinline
@@ -28,14 +28,13 @@ def _compile(**variant):
 
 def _bench2b_stages_as_loaded():
     """bench-2b's stages as HopperBackend.load has them when it sizes the ring (default build: 10
-    consumer warps, one K/V buffer, the attention combine fused into o_proj, matvecs finalized).
-    Fresh every call: _ring_slots writes each stage's smem."""
+    consumer warps, one K/V buffer, the attention's chunks combined in the attention stage, matvecs
+    finalized). Fresh every call: _ring_slots writes each stage's smem."""
     from kog_moe_standard_tp.llama import Llama
     from kog_moe_standard_tp.presets import BENCH_2B
     from kog_nvidia_hopper import schedule as S
     prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
     stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1)
-    S.fuse_attention_combine(prog, stages)
     for st in stages:
         if st.type == "matvec":
             S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
@@ -348,7 +347,7 @@ def test_ring_slots_fill_the_shared_memory_the_stages_leave(monkeypatch):
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.backend import HopperBackend
     stages = _bench2b_stages_as_loaded()
-    hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024, norm_smem=0, kalign=1)
+    hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024, norm_smem=1, kalign=32)
     monkeypatch.delenv("KOG_HOPPER_SLOT_KB", raising=False)
     slot, plans, scratch = HopperBackend._ring_slots(hb, stages, None)
     assert scratch == (max(st.smem for st in stages) + 127) // 128 * 128 and scratch < 34 * 1024
@@ -449,10 +448,10 @@ def test_sass_report_counts_local_and_generic_accesses_by_source_line(monkeypatc
     assert "nvidia-cuda-nvdisasm" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_norm_smem_experiment_compiles_and_reserves_the_norm_weights(monkeypatch):
-    """KOG_HOPPER_NORM_SMEM=1 (an experiment, off; perf notes session 7): the preloaded norm
-    weights go to shared memory after the x rows, so a normed stage's scratch grows by K * 2 bytes;
-    the build stays within the register and spill budgets."""
+def test_norm_smem_reserves_the_norm_weights_and_the_wpre_build_compiles(monkeypatch):
+    """NORM_SMEM (the default since v17; perf notes session 8): the preloaded norm weights go to
+    shared memory after the x rows, so a normed stage's scratch grows by K * 2 bytes.
+    KOG_HOPPER_NORM_SMEM=0 (the weights in local memory, wpre) still compiles without spills."""
     from types import SimpleNamespace
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.backend import HopperBackend
@@ -469,6 +468,6 @@ def test_norm_smem_experiment_compiles_and_reserves_the_norm_weights(monkeypatch
         extra = int(st.f["MV_K"]) * 2 if i in normed else 0
         assert sizes[1][0][i] == sizes[0][0][i] + extra
     assert sizes[1][1] == sizes[0][1]  # bench-2b: the attention's scratch still sets the ring's offset
-    cubin, _, rep = _compile(**dict(DEFAULT, NORM_SMEM=1))
+    cubin, _, rep = _compile(**dict(DEFAULT, NORM_SMEM=0))
     assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
     assert rep["spill_stores"] == 0, rep

@@ -158,10 +158,14 @@ class HopperBackend(KernelBackend):
         prefetch = _env_int("KOG_HOPPER_PREFETCH", 0, lo=0, hi=32)  # items the L2 prefetch runs ahead of the ring
         # weight rows per item (0: the default, 2 per consumer warp; a warp takes at most two)
         item_rows = _env_int("KOG_HOPPER_ITEM_ROWS", 0, lo=0, hi=2 * self.nw) or None
-        # k-slices cut on multiples of 256 columns (every lane busy in every step of the dot loop)
-        self.kalign = 32 if _env_int("KOG_HOPPER_KALIGN", 0, lo=0, hi=1) else 1
+        # k-slices cut on multiples of 256 columns, so every lane has work in every step of the dot
+        # loop (default since v17, +0.8% on bench-2b; 0: equal slices)
+        self.kalign = 32 if _env_int("KOG_HOPPER_KALIGN", 1, lo=0, hi=1) else 1
         rows = []
-        combine = os.environ.get("KOG_HOPPER_ATTN_COMBINE", "loader")
+        # where the attention's chunk partials are combined: by the last tile of each kv head in the
+        # attention stage (default since v17, +1.6%), or by every block in o_proj's loader, which
+        # then reads all heads' partials (up to 128 KB a block on bench-2b)
+        combine = os.environ.get("KOG_HOPPER_ATTN_COMBINE", "ticket")
         if combine not in ("loader", "ticket"):
             raise KogError(f"KOG_HOPPER_ATTN_COMBINE={combine!r}: use 'loader' or 'ticket' (or leave it unset)")
         if combine == "loader":
@@ -171,8 +175,9 @@ class HopperBackend(KernelBackend):
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
-        # an experiment, off (decode.cu NORM_SMEM): preloaded norm weights by cp.async into shared memory
-        self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 0, lo=0, hi=1)
+        # decode.cu NORM_SMEM (default since v17, +0.5%): the norm weights a stage preloads before
+        # its wait go to shared memory by cp.async instead of local memory
+        self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 1, lo=0, hi=1)
         slot_bytes, plans, scratch = self._ring_slots(stages, item_rows)
         streamed = []
         for si, st in enumerate(stages):

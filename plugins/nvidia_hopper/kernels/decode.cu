@@ -400,9 +400,10 @@ drain:
 
 #define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
                 // (7 or 8, to load down's 8192 in one round trip at 10 warps, spill 84+ bytes)
-// NORM_SMEM (an experiment, off; KOG_HOPPER_NORM_SMEM=1): the norm weights that a stage loads before
-// its wait go to shared memory by cp.async (after the x rows) instead of to wpre, which lives in
-// local memory (6 LDL after the wait, sass_report) and costs 56 bytes of spills in registers.
+// NORM_SMEM (the backend sets it by default since v17; KOG_HOPPER_NORM_SMEM=0 for wpre): the norm
+// weights that a stage loads before its wait go to shared memory by cp.async (after the x rows)
+// instead of to wpre, which lives in local memory (6 LDL after the wait, sass_report); kept in
+// registers instead they cost 56 bytes of spills.
 #ifndef NORM_SMEM
 #define NORM_SMEM 0
 #endif
