@@ -671,16 +671,19 @@ __device__ __forceinline__ void rope_pair(float a, float b, float cs, float sn, 
     oa = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
     ob = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
 }
-// One head at float offset `off` of the stage scratch, rotated in place (called by one warp). The
-// head is named by its offset, not a pointer: a pointer parameter is generic, and its loads and
-// stores would take the generic path instead of LDS / STS (sass_report); the tables are read-only.
-__device__ __noinline__ void rope_vec(int off, int hd, int style, const float* cosr, const float* sinr) {
+// One head at float offset `off` of the stage scratch, rotated in place (called by one warp), with
+// this position's cos and sin rows at offset `tab` (att_issue_first copied them there before the
+// stage's wait). Offsets, not pointers: a pointer parameter is generic, and its loads and stores
+// would take the generic path instead of LDS / STS (sass_report). Noinline: inlined, it perturbs
+// the attention's register allocation into spills.
+__device__ __noinline__ void rope_vec(int off, int hd, int style, int tab) {
     float* v = smem_f() + off;
+    const float* cs = smem_f() + tab;
     int h2 = hd / 2;
     for (int j = threadIdx.x & 31; j < h2; j += 32) {
         int ia = style == 1 ? j : 2 * j, ib = style == 1 ? j + h2 : 2 * j + 1;
         float oa, ob;
-        rope_pair(v[ia], v[ib], cosr[j], sinr[j], oa, ob);
+        rope_pair(v[ia], v[ib], cs[j], cs[h2 + j], oa, ob);
         v[ia] = oa; v[ib] = ob;
     }
 }
@@ -693,6 +696,8 @@ __device__ __noinline__ void rope_vec(int off, int hd, int style, const float* c
 #endif
 // this thread's copies of every group but the KV_BUFS - 1 newest have landed
 __device__ __forceinline__ void cp_wait_kv() { asm volatile("cp.async.wait_group %0;" :: "n"(KV_BUFS - 1) : "memory"); }
+// this thread's groups but the KV_BUFS newest (the K/V sub-chunks after the RoPE rows) have landed
+__device__ __forceinline__ void cp_wait_rope() { asm volatile("cp.async.wait_group %0;" :: "n"(KV_BUFS) : "memory"); }
 
 // Positions [a, b) of one kv head's K and V rows -> shared memory rows of RS bf16 (hd + 8: the
 // pad keeps a warp's 16-byte reads of two rows on different banks); row `skip` (the new
@@ -712,17 +717,33 @@ __device__ __forceinline__ void att_issue(u16* Kb, u16* Vb, const u16* kc, const
 }
 
 // Shared memory of the attention stage (schedule._attn_stage sizes it): q and running output
-// [G][hd], new key / value [hd], scores [G][ATT_SUB], P.V partials NT * 8, then the K/V buffers.
-__device__ __forceinline__ u16* att_kvbuf(const Ctx& c) {
+// [G][hd], new key / value [hd], scores [G][ATT_SUB], P.V partials NT * 8 (before the loop: this
+// position's RoPE cos and sin rows), then the K/V buffers.
+__device__ __forceinline__ int att_red_off(const Ctx& c) {  // float offset of the P.V partials
     const int G = (int)s_desc[c.dcur][AT_H] / (int)s_desc[c.dcur][AT_HKV], hd = (int)s_desc[c.dcur][AT_HD];
-    return (u16*)(smem_f() + 2 * G * hd + 2 * hd + G * ATT_SUB + NT * 8);
+    return 2 * G * hd + 2 * hd + G * ATT_SUB;
 }
-// Issue tile t's first KV_BUFS K/V sub-chunks (KV_BUFS cp.async groups). They depend on nothing in this
-// token (the new position is left out; its tile writes it), so the stage issues the first tile's
-// before it waits for q.
+__device__ __forceinline__ u16* att_kvbuf(const Ctx& c) {
+    return (u16*)(smem_f() + att_red_off(c) + NT * 8);
+}
+// Issue tile t's RoPE rows (one cp.async group, possibly empty) and first KV_BUFS K/V sub-chunks
+// (KV_BUFS groups). They depend on nothing in this token (the new position is left out; its tile
+// writes it), so the stage issues the first tile's before it waits for q: after the wait, RoPE
+// finds its tables landed instead of loading them (a second round trip after q's).
 __device__ void att_issue_first(const Ctx& c, int t) {
     const i64* st = s_desc[c.dcur];
     const int Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD], T = (int)st[AT_T];
+    if (st[AT_ROPE_Q] || st[AT_ROPE_K]) {  // cos then sin row of this position, h2 floats each
+        const int h2 = hd >> 1, tid = threadIdx.x;
+        float* tab = smem_f() + att_red_off(c);
+        if (tid < h2 / 2) {  // h2 / 4 float4 of each row (hd % 8 == 0)
+            const bool sn = tid >= h2 / 4;
+            const int i4 = sn ? tid - h2 / 4 : tid;
+            const float* src = (const float*)st[sn ? AT_SIN : AT_COS] + (i64)c.pos * h2;
+            cp_async16(tab + (sn ? h2 : 0) + 4 * i4, src + 4 * i4);
+        }
+    }
+    cp_commit();
     int start, nch, csz;
     att_chunks(st, c.pos, start, nch, csz);
     const int ch = t % nch, g = (t / nch) % Hkv, l = t / (nch * Hkv);
@@ -787,8 +808,6 @@ __device__ __noinline__ void run_attention(Ctx& c) {
     u16* kvb = att_kvbuf(c);               // [KV_BUFS][K, V][ATT_SUB][RS] bf16 (= red + NT * 8)
     __shared__ float s_m[8], s_l[8], s_a[8];
     __shared__ int s_last;
-    const float* costab = (const float*)st[AT_COS];
-    const float* sintab = (const float*)st[AT_SIN];
     const int ropeq = (int)st[AT_ROPE_Q], ropek = (int)st[AT_ROPE_K];
     const bool fused = st[AT_KNEW] != 0;
     float* partO = (float*)st[AT_PART_O];
@@ -813,9 +832,10 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             for (int i = tid; i < hd; i += NT) { kn[i] = ldf(ks + i); vn[i] = rbf(ldf(vs + i)); }
         }
         if (tid < 8) { s_m[tid] = -__int_as_float(0x7f800000); s_l[tid] = 0.f; }
+        cp_wait_rope();  // this thread's RoPE copies (att_issue_first) have landed; the barrier shows all
         csync();
-        if (ropeq && warp < G) rope_vec(warp * hd, hd, ropeq, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
-        if (own && ropek && warp == NW - 1) rope_vec(GH, hd, ropek, costab + (i64)pos * (hd / 2), sintab + (i64)pos * (hd / 2));
+        if (ropeq && warp < G) rope_vec(warp * hd, hd, ropeq, att_red_off(c));
+        if (own && ropek && warp == NW - 1) rope_vec(GH, hd, ropek, att_red_off(c));
         csync();
         TMARK(c, 10);
         if (own) {
