@@ -302,17 +302,23 @@ def test_trace_summary_reads_a_synthetic_trace():
     import numpy as np
     from kog_nvidia_hopper.trace import summarize
     ntok, nst, nb = 4, 3, 5
-    tr = np.zeros((ntok, nst, nb, 16), np.uint64)
+    tr = np.zeros((ntok, nst, nb, 20), np.uint64)
     t = 1_000_000
     for k in range(ntok):
         for s in range(nst):
             for b in range(nb):
                 tr[k, s, b, :4] = [t, t + 1000, t + 1500, t + 4000 + 100 * b]
                 tr[k, s, b, 7] = b
+                if s == 1:  # attention phases, and the first sub-chunk's steps 200 ns apart
+                    tr[k, s, b, 10:14] = [t + 1600, t + 1700, t + 2900, t + 3000]
+                    tr[k, s, b, 16:20] = [t + 1900, t + 2100, t + 2300, t + 2500]
             t += 4400  # last block done + 0 gap: next stage enters then
     lines = summarize(tr, ["matvec[a]", "attn[attention]", "matvec[b]"])
     row = lines[2].split()
     assert row[1] == "attn[attention]" and float(row[2]) == 4.4  # chain us
+    assert "attention phases 0.60 / 0.10 / 1.20 / 0.10" in lines[2]
+    assert "(first sub-chunk: 0.20 / 0.20 / 0.20 / 0.20)" in lines[2]
+    assert "first sub-chunk" not in lines[1] and "first sub-chunk" not in lines[3]
     assert "most often last SM" in lines[-1] and "4x" in lines[-1]
 
 

@@ -232,7 +232,7 @@ class HopperBackend(KernelBackend):
         self.d_trace = 0
         if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)
             variant["TRACE"] = 1
-            self.trace_shape = (4, len(stages), self.nb, 16)
+            self.trace_shape = (4, len(stages), self.nb, 20)  # decode.cu TRACE_W
             self.d_trace = self._alloc(int(np.prod(self.trace_shape)) * 8)
         self.smem = scratch + nslots * slot_bytes
         self.variant = variant
@@ -462,7 +462,7 @@ class HopperBackend(KernelBackend):
         return out
 
     def read_trace(self) -> np.ndarray:
-        """The last launch's timestamps [token, stage, block, 16] (decode.cu, TRACE builds)."""
+        """The last launch's timestamps [token, stage, block, 20] (decode.cu, TRACE builds)."""
         out = np.zeros(self.trace_shape, np.uint64)
         check(self.drv.cuMemcpyDtoH(out.ctypes.data, self.d_trace, out.nbytes), "cuMemcpyDtoH(trace)")
         return out

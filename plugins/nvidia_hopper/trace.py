@@ -15,15 +15,16 @@ import numpy as np
 
 
 def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
-    """Text report of a trace [token, stage, block, 16] (ns; fields: decode.cu "trace"). Times
+    """Text report of a trace [token, stage, block, 20] (ns; fields: decode.cu "trace"). Times
     are medians over the tokens.
     Per stage: chain = last block done - previous stage's last block done; lat = median block's
     wait end - previous last done (signal propagation); load/work = median block; spread = last
     done - median done (imbalance); p_ahead = how long before the median block got its input the
     producer had reached the stage; p_stall = producer time blocked on a full ring; c_wait = consumer
     time blocked on an empty slot (data not landed); rel = the release's own time. Attention stages
-    also get their phases (blocks with a tile): q/k/v loaded + RoPE, first K/V, loop, partials;
-    matvec stages with an input loader when its input landed (thread 0) and the norm's sum done."""
+    also get their phases (blocks with a tile): q/k/v loaded + RoPE, first K/V, loop, partials,
+    release, and the first sub-chunk's steps (scores, softmax, P.V, reduction); matvec stages with
+    an input loader when its input landed (thread 0) and the norm's sum done."""
     tr = tr.astype(np.int64)
     ntok, nst, nb, _ = tr.shape
     rows = []
@@ -53,9 +54,14 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
                       np.median(tt[:, 12] - tt[:, 11]), np.median(tt[:, 13] - tt[:, 12]), np.median(tt[:, 3] - tt[:, 13])]
             else:
                 ph = [0] * 5
+            sub = [0.0] * 4  # first sub-chunk: scores, softmax, P.V, reduction (builds with TRACE_W >= 20)
+            if tiles.any() and t.shape[-1] >= 20 and t[s][tiles][:, 19].all():
+                tt = t[s][tiles]
+                sub = [np.median(tt[:, 16] - tt[:, 11]), np.median(tt[:, 17] - tt[:, 16]),
+                       np.median(tt[:, 18] - tt[:, 17]), np.median(tt[:, 19] - tt[:, 18])]
             xin = np.median(t[s, :, 14] - t[s, :, 1]) if t[s, :, 14].all() else 0
             nrm = np.median(t[s, :, 15] - t[s, :, 14]) if xin and t[s, :, 15].all() else 0
-            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm))
+            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub))
             prev_done = done.max()
         rows.append(r)
     if not rows:
@@ -69,6 +75,8 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
                 f"{c[5]:8.2f} {c[6]:8.2f} {c[7]:7.2f} {c[8]:6.2f} {int(c[14] * 1e3):7d}")
         if c[9:14].any():
             line += "  attention phases " + " / ".join(f"{v:.2f}" for v in c[9:14])
+            if c[17:21].any():
+                line += " (first sub-chunk: " + " / ".join(f"{v:.2f}" for v in c[17:21]) + ")"
         if c[15]:
             line += f"  load: input landed {c[15]:.2f}" + (f", norm sum {c[16]:.2f}" if c[16] else "")
         out.append(line)

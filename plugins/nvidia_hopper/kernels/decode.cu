@@ -139,10 +139,11 @@ __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
 // u64 (globaltimer ns): consumer 0 stage entered, 1 wait done, 2 input loaded, 3 done; producer
 // 4 stage reached, 5 last copy issued, 6 ns spent waiting for free slots; 7 SM id; 8 consumer ns
 // waiting for full slots; 9 release done; attention 10 q/k/v ready, 11 first K/V landed, 12 loop
-// done, 13 partials written; matvec input loader 14 thread 0's loads landed, 15 norm's sum done.
+// done, 13 partials written; matvec input loader 14 thread 0's loads landed, 15 norm's sum done;
+// attention's first sub-chunk 16 scores, 17 softmax, 18 P.V partials, 19 their reduction done.
 #ifdef TRACE
 #define NTRACE 4
-#define TRACE_W 16
+#define TRACE_W 20
 __device__ __forceinline__ u64* trace_row(const i64* run, int it, int s, int nst) {
     const int k = it - (int)run[R_TRACE_IT0];
     if (!run[R_TRACE] || k < 0 || k >= NTRACE) return nullptr;
@@ -868,6 +869,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 }
             }
             csync();
+            if (s == 0) TMARK(c, 16);
             // running softmax, one warp per query head
             if (warp < G) {
                 float v = ln < cnt ? sc[warp * ATT_SUB + ln] : -__int_as_float(0x7f800000);  // ATT_SUB == 32
@@ -885,6 +887,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 }
             }
             csync();
+            if (s == 0) TMARK(c, 17);
             // P.V partials
             if (tid < nsplit * ncol) {
                 const int grp = tid / ncol, col = tid - grp * ncol, gi = col / nd8, d8 = col - gi * nd8;
@@ -904,12 +907,14 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 *(float4*)(rd + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
             }
             csync();
+            if (s == 0) TMARK(c, 18);
             for (int i = tid; i < GH; i += NT) {
                 float o = 0.f;
                 for (int k = 0; k < nsplit; ++k) o += red[k * GH + i];
                 ob[i] = ob[i] * s_a[i / hd] + o;
             }
             csync();  // buffer (s % KV_BUFS) and red are free again
+            if (s == 0) TMARK(c, 19);
             if (s + KV_BUFS < nsub) att_issue(Kb, Vb, kc, vc, a + KV_BUFS * ATT_SUB, min(a + (KV_BUFS + 1) * ATT_SUB, p1), skip, hd, RS);
             else cp_commit();
         }
