@@ -188,3 +188,30 @@ def test_laneformer_logits_and_greedy(name):
     prompt = [3, 17, 42, 5]
     assert list(hb.generate(prompt, DefaultSampler(), SamplingParams(), stop)) == \
         list(ref.generate(prompt, DefaultSampler(), SamplingParams(), stop))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_non_default_paths_match_reference(name, monkeypatch):
+    """The paths the v17 defaults left behind, in one build: the attention's chunks combined in
+    o_proj's loader, the preloaded norm weights in local memory, equal k-slices (perf notes
+    session 8). They stay selectable, so they stay correct."""
+    if name not in SMALL:
+        pytest.skip(f"no small model {name!r}")
+    monkeypatch.setenv("KOG_HOPPER_ATTN_COMBINE", "loader")
+    monkeypatch.setenv("KOG_HOPPER_NORM_SMEM", "0")
+    monkeypatch.setenv("KOG_HOPPER_KALIGN", "0")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("NORM_SMEM", 0) == 0 and hb.kalign == 1
+        assert any(st.type == "matvec" and "MV_ATTN" in st.f for st in hb.stages)  # the loader combines
+        toks = np.random.default_rng(3).integers(0, prog.vocab_size, 120).tolist()
+        got, want = hb.logits(toks), ref.logits(toks)
+        errs = [_rel(got[i], want[i]) for i in range(len(toks))]
+        assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
+        stop = StopCriteria(max_tokens=64)
+        prompt = [3, 17, 42, 5]
+        assert list(hb.generate(prompt, DefaultSampler(), SamplingParams(), stop)) == \
+            list(ref.generate(prompt, DefaultSampler(), SamplingParams(), stop))
+    finally:
+        hb.close()
