@@ -113,7 +113,7 @@ class HopperBackend(KernelBackend):
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs)
         # attention tiles to aim for (decode.cu att_chunks; default one per block): fewer, longer
-        # chunks leave fewer partials for o_proj's loader, which every block reads in full
+        # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8)
         att_tiles = _env_int("KOG_HOPPER_ATT_TILES", 0, lo=0, hi=self.nb)
         for st in stages:
             if st.type == "attn" and att_tiles:
