@@ -388,6 +388,20 @@ def test_noinline_attention_build_compiles():
     assert cubin[:4] == b"\x7fELF" and 128 < rep["registers"] <= MAX_REGISTERS and rep["spill_stores"] <= 200
 
 
+def test_stream_probe_rounds_are_well_formed():
+    """Every round's configurations name a known kind and only settings the launcher reads; round 9
+    (instruction fetch) times the code block with every eviction size, alone and beside the ring."""
+    from kog_nvidia_hopper import stream_probe as P
+    known = set(P.DECODE_RING) | {"blocks", "trace", "wrap", "lsu_kb", "evict", "unroll", "threads"}
+    for r in range(1, 10):
+        for name, kind, settings in P.configs(round_=r):
+            assert kind in ("ring", "ldg", "lat") and name.strip(), (r, name)
+            assert set(settings) <= known, (r, name, set(settings) - known)
+    r9 = P.configs(round_=9)
+    assert sorted((k, s["evict"]) for _, k, s in r9) == [("lat", 0), ("lat", 1), ("lat", 2), ("ring", 0), ("ring", 1), ("ring", 2)]
+    assert all(s["lat_kind"] == 3 for _, _, s in r9) and all(s["lat_warp"] == 1 for _, k, s in r9 if k == "ring")
+
+
 def test_stream_probe_compiles():
     """The weight-stream probes (kernels/stream_probe.cu, run by stream_probe.py on the GPU)."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")

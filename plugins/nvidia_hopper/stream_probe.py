@@ -33,13 +33,13 @@ def compile_probe(unroll: int = 8) -> tuple[bytes, str]:
 # DECODE_RING is the decode kernel's ring on bench-2b (v15): 10 consumer warps, 6 x 31 KB.
 DECODE_RING = dict(warps=10, slots=6, kb=31, chunks=1, consume=1, every=0, ns=0, skew=0, prefetch=0,
                    pf_warp=0, ldgsts=0, extra_kb=0, lat_warp=0, lat_kind=0)
-LAT_KINDS = {0: "ld.cg", 1: "ld.acquire.gpu", 2: "fence.acq_rel + ld.cg"}
+LAT_KINDS = {0: "ld.cg", 1: "ld.acquire.gpu", 2: "fence.acq_rel + ld.cg", 3: "code block cold / hot"}
 
 
 def configs(quick: bool = False, round_: int = 1):
     if round_ != 1:
         return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6,
-                7: configs_round7, 8: configs_round8}[round_]()
+                7: configs_round7, 8: configs_round8, 9: configs_round9}[round_]()
     out = []
     base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
@@ -187,6 +187,20 @@ def configs_round8():
     return out
 
 
+def configs_round9():
+    """Instruction fetch: does code that has not run for a while cost microseconds while the rings
+    stream? The attention's steps (perf notes session 8) take 0.3-1.1 us for a few dozen
+    instructions a warp, with no global loads. A 16 KB block of straight-line code is timed cold
+    (after 16 or 128 KB of other code) and hot, alone and beside the decode-like ring."""
+    base = DECODE_RING
+    out = []
+    for evict, what in ((0, "no other code between"), (1, "after 16 KB of other code"), (2, "after 128 KB of other code")):
+        out.append((f"16 KB code block alone, {what}", "lat", dict(lat_kind=3, evict=evict)))
+    for evict, what in ((0, "no other code between"), (1, "after 16 KB"), (2, "after 128 KB")):
+        out.append((f"ring as decode + code block, {what}", "ring", dict(base, lat_warp=1, lat_kind=3, evict=evict)))
+    return out
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -212,7 +226,7 @@ def main():
     ap.add_argument("--round", type=int, nargs="+", default=[1],
                     help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async; 4: both; "
                          "5: ring + register loads; 6: a load's latency while the ring streams; 7: the ring from L2; "
-                         "8: consumer time per item (several: in turn)")
+                         "8: consumer time per item; 9: instruction fetch (several: in turn)")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
@@ -230,7 +244,7 @@ def main():
         chase[order[k] * 32] = order[(k + 1) % 1024] * 32
     d_chase = hb._alloc(chase.nbytes)
     check(drv.cuMemcpyHtoD(d_chase, chase.ctypes.data, chase.nbytes), "cuMemcpyHtoD(chase)")
-    d_lat = hb._alloc(3 * 8)
+    d_lat = hb._alloc(4 * 8)  # sum, count, worst (+ the code probe's hot sum)
     mods = {}
 
     def fn(kind, unroll=8):
@@ -255,7 +269,8 @@ def main():
         blocks = s.get("blocks", nb)
         if kind == "lat":
             per_block = 0
-            args = [ctypes.c_uint64(d_chase), ctypes.c_int(s["lat_kind"]), ctypes.c_uint32(256), ctypes.c_uint64(d_lat)]
+            args = [ctypes.c_uint64(d_chase), ctypes.c_int(s["lat_kind"]), ctypes.c_uint32(256), ctypes.c_uint64(d_lat),
+                    ctypes.c_int(s.get("evict", 0))]
             f, threads, smem = fn("lat"), 32, 0
         elif kind == "ring":
             slot = s["kb"] * 1024
@@ -267,7 +282,7 @@ def main():
                     ctypes.c_uint32(s.get("lsu_kb", s["kb"] if s["ldgsts"] else 0) * 1024), ctypes.c_uint32(s["extra_kb"] * 1024),
                     ctypes.c_uint64(outp), ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace),
                     ctypes.c_int(s["lat_warp"]), ctypes.c_int(s["lat_kind"]), ctypes.c_uint64(d_chase), ctypes.c_uint64(d_lat),
-                    ctypes.c_uint32(s.get("wrap", 0))]
+                    ctypes.c_uint32(s.get("wrap", 0)), ctypes.c_int(s.get("evict", 0))]
             f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s["ldgsts"] + s["pf_warp"] + s["lat_warp"]), s["slots"] * slot
         else:
             per_block = (BUFFER_BYTES // blocks) // 16 * 16
@@ -275,7 +290,7 @@ def main():
             f, threads, smem = fn("ldg", s["unroll"]), s["threads"], 0
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
         times = []
-        check(drv.cuMemsetD32(d_lat, 0, 6), "cuMemsetD32(lat)")
+        check(drv.cuMemsetD32(d_lat, 0, 8), "cuMemsetD32(lat)")
         for _ in range(6):
             check(drv.cuEventRecord(e0, hb.stream))
             check(drv.cuLaunchKernel(f, blocks, 1, 1, threads, 1, 1, smem, hb.stream, ctypes.addressof(ptrs), 0), "cuLaunchKernel")
@@ -288,11 +303,18 @@ def main():
         results.append(r)
         line = f"{name:44s} {tbps:6.3f} TB/s  {tbps / copy_bw:5.3f} of copy"
         if kind == "lat" or s.get("lat_warp"):
-            lat = np.zeros(3, np.uint64)
+            lat = np.zeros(4, np.uint64)
             check(drv.cuMemcpyDtoH(lat.ctypes.data, d_lat, lat.nbytes), "cuMemcpyDtoH(lat)")
-            r["load_ns"] = round(float(lat[0]) / max(float(lat[1]), 1.0), 1)
-            r["worst_chain_ns"] = int(lat[2])
-            line += f"  one load {r['load_ns']:7.1f} ns (worst chain of 8: {int(lat[2])} ns)"
+            if s.get("lat_kind") == 3:  # (cold ns, runs, worst cold, hot ns) of the code block
+                runs = max(float(lat[1]), 1.0)
+                r["code_cold_ns"], r["code_hot_ns"] = round(float(lat[0]) / runs, 1), round(float(lat[3]) / runs, 1)
+                r["code_worst_cold_ns"] = int(lat[2])
+                line += (f"  16 KB code: cold {r['code_cold_ns']:8.1f} ns, hot {r['code_hot_ns']:8.1f} ns "
+                         f"(worst cold {int(lat[2])} ns, {int(lat[1])} runs)")
+            else:
+                r["load_ns"] = round(float(lat[0]) / max(float(lat[1]), 1.0), 1)
+                r["worst_chain_ns"] = int(lat[2])
+                line += f"  one load {r['load_ns']:7.1f} ns (worst chain of 8: {int(lat[2])} ns)"
         print(line, flush=True)
         if s.get("trace"):
             tr = np.zeros((ntrace, 3), np.uint64)

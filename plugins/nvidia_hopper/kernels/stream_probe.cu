@@ -24,6 +24,10 @@
 // through `chase` (a small L2-resident table: a stage boundary's poll, input or residual load is
 // such a load), kind 0 ld.global.cg, 1 ld.acquire.gpu, 2 fence.acq_rel.gpu + ld.global.cg; sums
 // (ns, loads, worst chain) go to lat_out. probe_lat: the same chains with nothing else running.
+// Kind 3 times instruction fetch instead: a 16 KB block of straight-line code (code_timed) run
+// cold (after `evict` other code: 0 none, 1 a different 16 KB block, 2 a 128 KB one) and at once
+// again (hot); lat_out gets (cold ns, runs, worst cold, hot ns). Does code that has not run for a
+// while (the attention's, once a layer) cost microseconds to fetch while the rings stream?
 //
 // probe_ldg: no ring; every thread streams 16-byte ld.global.nc loads, `UNROLL` in flight.
 typedef unsigned int u32;
@@ -57,12 +61,41 @@ __device__ __forceinline__ void lat_record(u64* lat_out, u64 sum, u64 n, u64 wor
     atomicMax(lat_out + 2, worst);
 }
 
+// Straight-line code: N x 4 independent FMAs (16 bytes an instruction); SALT keeps blocks distinct.
+template <int N, int SALT>
+__device__ __noinline__ float code_block(float x) {
+    float a = x, b = x + 1.f, c = x + 2.f, d = x + 3.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        a = fmaf(a, 1.0001f + SALT * 1e-6f, 0.5f); b = fmaf(b, 0.9999f, 0.25f);
+        c = fmaf(c, 1.0002f, 0.125f); d = fmaf(d, 0.9998f, 0.0625f + SALT * 1e-6f);
+    }
+    return a + b + c + d;
+}
+__device__ __forceinline__ float code_timed(float x) { return code_block<256, 1>(x); }  // 16 KB
+__device__ __forceinline__ float code_evict(float x, int evict) {
+    if (evict == 1) return code_block<256, 2>(x);    // 16 KB
+    if (evict == 2) return code_block<2048, 3>(x);   // 128 KB
+    return x;
+}
+// One cold and one hot run of code_timed: adds (cold ns, 1, -, hot ns) to the sums.
+__device__ __forceinline__ float code_round(float x, int evict, u64& cold, u64& worst, u64& hot) {
+    x = code_evict(x, evict);
+    const u64 t0 = gtimer();
+    x = code_timed(x);
+    const u64 t1 = gtimer();
+    x = code_timed(x);
+    const u64 t2 = gtimer();
+    cold += t1 - t0; hot += t2 - t1; worst = t1 - t0 > worst ? t1 - t0 : worst;
+    return x;
+}
+
 __device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1, %0;" :: "r"(n) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
            int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, u32 lsu_bytes, u32 extra_bytes, float* out, u64* trace, u32 ntrace,
-           int lat_warp, int lat_kind, const u32* chase, u64* lat_out, u32 wrap_items) {
+           int lat_warp, int lat_kind, const u32* chase, u64* lat_out, u32 wrap_items, int evict) {
     // consumers, then the bulk producer warp, then `ldgsts` cp.async warps, then the prefetch warp, then the latency warp
     const int nc = blockDim.x - 32 - 32 * ldgsts - 32 * pf_warp - 32 * lat_warp;
     const int tid = threadIdx.x;
@@ -82,6 +115,19 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
     __syncthreads();
     if (lat_warp && tid >= nc + 32 + 32 * ldgsts + 32 * pf_warp) {  // latency warp: lane 0 times load chains
         if ((tid & 31) != 0) return;
+        if (lat_kind == 3) {  // instruction fetch: cold and hot runs of a code block
+            u64 cold = 0, n = 0, worst = 0, hot = 0;
+            float x = (float)blockIdx.x;
+            while (!*(volatile u32*)&s_cdone) {
+                x = code_round(x, evict, cold, worst, hot);
+                ++n;
+                __nanosleep(2000);
+            }
+            lat_record(lat_out, cold, n, worst);
+            atomicAdd(lat_out + 3, hot);
+            if (x == 1.2345f) out[0] = x;
+            return;
+        }
         u32 i = (blockIdx.x * 37u) & 1023u;
         u64 sum = 0, n = 0, worst = 0;
         while (!*(volatile u32*)&s_cdone) {
@@ -180,8 +226,16 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
 }
 
 // The load chains of the latency warp with nothing else running (one thread per block).
-extern "C" __global__ void probe_lat(const u32* chase, int lat_kind, u32 chains, u64* lat_out) {
+extern "C" __global__ void probe_lat(const u32* chase, int lat_kind, u32 chains, u64* lat_out, int evict) {
     if (threadIdx.x != 0) return;
+    if (lat_kind == 3) {  // the code block's cold and hot runs with nothing else running
+        u64 cold = 0, worst = 0, hot = 0;
+        float x = (float)blockIdx.x;
+        for (u32 c = 0; c < chains; ++c) { x = code_round(x, evict, cold, worst, hot); __nanosleep(500); }
+        lat_record(lat_out, cold, (u64)chains + (x == 1.2345f), worst);
+        atomicAdd(lat_out + 3, hot);
+        return;
+    }
     u32 i = (blockIdx.x * 37u) & 1023u;
     u64 sum = 0, worst = 0;
     for (u32 c = 0; c < chains; ++c) {
