@@ -388,6 +388,16 @@ def test_noinline_attention_build_compiles():
     assert cubin[:4] == b"\x7fELF" and 128 < rep["registers"] <= MAX_REGISTERS and rep["spill_stores"] <= 200
 
 
+def test_compact_attention_experiment_compiles_smaller():
+    """KOG_HOPPER_COMPACT_ATTENTION=1 (an experiment, off; not yet run on the GPU): the attention's
+    loops are not unrolled; the build has no spills and fewer instructions than the default."""
+    cubin, log, rep = _compile(**DEFAULT, COMPACT_ATTENTION=1)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    default, _, _ = _compile(**DEFAULT)
+    assert len(cubin) < len(default)
+
+
 def test_stream_probe_rounds_are_well_formed():
     """Every round's configurations name a known kind and only settings the launcher reads; round 9
     (instruction fetch) times the code block with every eviction size, alone and beside the ring."""

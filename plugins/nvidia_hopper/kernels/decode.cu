@@ -665,6 +665,18 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
 
 
 // ------------------------------------------------------------------------------ attention
+// COMPACT_ATTENTION (an experiment, off; KOG_HOPPER_COMPACT_ATTENTION=1): the attention's loops
+// are not unrolled, so its code is smaller. The steps of one sub-chunk take 0.3-1.1 us for a few
+// dozen instructions a warp (perf notes session 8); if instruction fetch is why (stream probe
+// round 9), less code should be faster.
+#ifndef COMPACT_ATTENTION
+#define COMPACT_ATTENTION 0
+#endif
+#if COMPACT_ATTENTION
+#define ATT_LOOP _Pragma("unroll 1")
+#else
+#define ATT_LOOP
+#endif
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that
 // the tiles roughly fill the grid; partial (m, l, o) go to a scratch buffer and the last tile
 // of a (lane, kv head) to finish (atomic ticket) combines them.
@@ -681,6 +693,7 @@ __device__ __noinline__ void rope_vec(int off, int hd, int style, int tab) {
     float* v = smem_f() + off;
     const float* cs = smem_f() + tab;
     int h2 = hd / 2;
+    ATT_LOOP
     for (int j = threadIdx.x & 31; j < h2; j += 32) {
         int ia = style == 1 ? j : 2 * j, ib = style == 1 ? j + h2 : 2 * j + 1;
         float oa, ob;
@@ -826,10 +839,12 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         if (t != (int)blockIdx.x) att_issue_first(c, t);
         // queries of this kv head's group, new key / value
         const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * GH;
+        ATT_LOOP
         for (int i = tid; i < GH; i += NT) { q[i] = ldf(qsrc + i); ob[i] = 0.f; }
         if (own) {
             const float* ks = (const float*)st[AT_KNEW] + (i64)l * Hkv * hd + (i64)g * hd;
             const float* vs = (const float*)st[AT_VNEW] + (i64)l * Hkv * hd + (i64)g * hd;
+            ATT_LOOP
             for (int i = tid; i < hd; i += NT) { kn[i] = ldf(ks + i); vn[i] = rbf(ldf(vs + i)); }
         }
         if (tid < 8) { s_m[tid] = -__int_as_float(0x7f800000); s_l[tid] = 0.f; }
@@ -840,6 +855,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         csync();
         TMARK(c, 10);
         if (own) {
+            ATT_LOOP
             for (int i = tid; i < hd; i += NT) {
                 u16 kb = f2bf(kn[i]);
                 kn[i] = bf2f(kb);
@@ -853,13 +869,16 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             u16* Vb = Kb + ATT_SUB * RS;
             cp_wait_kv();  // this thread's copies of sub-chunk s have landed
             if (own && pos >= a && pos < a + cnt)
+                ATT_LOOP
                 for (int i = tid; i < hd; i += NT) { Kb[(pos - a) * RS + i] = f2bf(kn[i]); Vb[(pos - a) * RS + i] = f2bf(vn[i]); }
             csync();
             if (s == 0) TMARK(c, 11);
             // scores: lpr lanes per K row, reduced by shuffles within the row's lanes
+            ATT_LOOP
             for (int gi = 0; gi < G; ++gi) {
                 float4 qa = make_float4(0.f, 0.f, 0.f, 0.f), qb = qa;
                 if (sc8 < nd8) { qa = *(const float4*)(q + gi * hd + sc8 * 8); qb = *(const float4*)(q + gi * hd + sc8 * 8 + 4); }
+                ATT_LOOP
                 for (int j0 = warp * rpw; j0 < cnt; j0 += NW * rpw) {
                     const int j = j0 + sr;
                     float d = 0.f;
@@ -894,6 +913,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 float acc[8];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+                ATT_LOOP
                 for (int j = grp; j < cnt; j += nsplit) {
                     const float pr = sc[gi * ATT_SUB + j];
                     const uint4 w = *(const uint4*)(Vb + j * RS + d8 * 8);
@@ -908,8 +928,10 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             }
             csync();
             if (s == 0) TMARK(c, 18);
+            ATT_LOOP
             for (int i = tid; i < GH; i += NT) {
                 float o = 0.f;
+                ATT_LOOP
                 for (int k = 0; k < nsplit; ++k) o += red[k * GH + i];
                 ob[i] = ob[i] * s_a[i / hd] + o;
             }
@@ -920,6 +942,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         }
         cp_wait_all();
         TMARK(c, 12);
+        ATT_LOOP
         for (int i = tid; i < GH; i += NT) {
             const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
             if (nch == 1 && combine) {
@@ -946,6 +969,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             if (s_last) {
                 // (m, l) of every chunk into shared memory in parallel (red is free now), then combine
                 float* mls = red;
+                ATT_LOOP
                 for (int i = tid; i < G * nch; i += NT) {
                     int gi = i / nch, k = i % nch;
                     const float* ml = partML + (((i64)l * H + g * G + gi) * MAXCH + k) * 2;
@@ -953,14 +977,17 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                     mls[i * 2 + 1] = ldf(ml + 1);
                 }
                 csync();
+                ATT_LOOP
                 for (int i = tid; i < GH; i += NT) {
                     int gi = i / hd, d = i % hd;
                     int h = g * G + gi;
                     const float* ml = mls + gi * nch * 2;
                     float M = -__int_as_float(0x7f800000);
+                    ATT_LOOP
                     for (int k = 0; k < nch; ++k) M = fmaxf(M, ml[2 * k]);
                     float num = 0.f, den = 0.f;
                     const float* po = partO + (((i64)l * H + h) * MAXCH) * hd + d;
+                    ATT_LOOP
                     for (int k = 0; k < nch; ++k) {
                         float w = expf(ml[2 * k] - M);
                         num = fmaf(w, __ldcg(po + (i64)k * hd), num);
