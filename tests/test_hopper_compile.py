@@ -398,6 +398,15 @@ def test_compact_attention_experiment_compiles_smaller():
     assert len(cubin) < len(default)
 
 
+@pytest.mark.parametrize("extra", [dict(X_CPASYNC=1), dict(X_CPASYNC=1, COMPACT_ATTENTION=1)])
+def test_input_rows_by_cp_async_experiment_compiles(extra):
+    """KOG_HOPPER_X_CPASYNC=1 (an experiment, off; not yet run on the GPU): a stage's input row by
+    cp.async into shared memory; compiles without spills, alone and with the compact attention."""
+    cubin, log, rep = _compile(**DEFAULT, **extra)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+
+
 def test_stream_probe_rounds_are_well_formed():
     """Every round's configurations name a known kind and only settings the launcher reads; round 9
     (instruction fetch) times the code block with every eviction size, alone and beside the ring."""

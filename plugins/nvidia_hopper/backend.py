@@ -228,6 +228,8 @@ class HopperBackend(KernelBackend):
             variant["NORM_SMEM"] = 1
         if _env_int("KOG_HOPPER_COMPACT_ATTENTION", 0, lo=0, hi=1):  # attention loops not unrolled (an experiment, session 8)
             variant["COMPACT_ATTENTION"] = 1
+        if _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1):  # input rows by cp.async (an experiment, session 8)
+            variant["X_CPASYNC"] = 1
         if _env_int("KOG_HOPPER_INLINE_ATTENTION", 1, lo=0, hi=1):  # no callee saves in the attention (v15)
             variant["INLINE_ATTENTION"] = 1
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None

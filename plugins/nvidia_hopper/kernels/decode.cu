@@ -401,6 +401,12 @@ drain:
 
 #define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
                 // (7 or 8, to load down's 8192 in one round trip at 10 warps, spill 84+ bytes)
+// X_CPASYNC (an experiment, off; KOG_HOPPER_X_CPASYNC=1): a stage's input row (not an embedding
+// row) comes by cp.async straight into shared memory: one round trip for any K (down's 8192 takes
+// two with XV 6 at 10 warps: the trace's 1.8 us "input landed" against ~0.85 for K = 2048).
+#ifndef X_CPASYNC
+#define X_CPASYNC 0
+#endif
 // NORM_SMEM (the backend sets it by default since v17; KOG_HOPPER_NORM_SMEM=0 for wpre): the norm
 // weights that a stage loads before its wait go to shared memory by cp.async (after the x rows)
 // instead of to wpre, which lives in local memory (6 LDL after the wait, sass_report); kept in
@@ -424,27 +430,40 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
     const u16* nw = (const u16*)st[MV_NORM_W] + lane * st[MV_NORM_WL];
     const int tid = threadIdx.x;
     float ss = 0.f;
-    for (int base = 0; base < K4; base += XV * NT) {
-        float4 v[XV];
+    if (X_CPASYNC && !(mode & IN_EMBED)) {
+        // the row by cp.async: every float4 in flight at once whatever K (no registers held), and
+        // each thread then reads back only the float4s it copied itself (no barrier needed)
+        for (int i = tid; i < K4; i += NT) cp_async16(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1), (const float4*)in + i);
+        cp_commit();
+        cp_wait_all();
+        if (mode & IN_NORM)
+            for (int i = tid; i < K4; i += NT) {  // the same order of additions as the register path
+                const float4 v = *(const float4*)(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1));
+                ss = fmaf(v.x, v.x, ss); ss = fmaf(v.y, v.y, ss); ss = fmaf(v.z, v.z, ss); ss = fmaf(v.w, v.w, ss);
+            }
+    } else {  // the register path: XV float4 per thread in flight, then stored
+        for (int base = 0; base < K4; base += XV * NT) {
+            float4 v[XV];
 #pragma unroll
-        for (int u = 0; u < XV; ++u) {
-            const int i = base + u * NT + tid;
-            if (i < K4) {
-                if (mode & IN_EMBED) {
-                    const uint2 e = *(const uint2*)(tab + 4 * i);
-                    v[u] = make_float4(bf_lo(e.x), bf_hi(e.x), bf_lo(e.y), bf_hi(e.y));
-                } else {
-                    v[u] = __ldcg((const float4*)in + i);
+            for (int u = 0; u < XV; ++u) {
+                const int i = base + u * NT + tid;
+                if (i < K4) {
+                    if (mode & IN_EMBED) {
+                        const uint2 e = *(const uint2*)(tab + 4 * i);
+                        v[u] = make_float4(bf_lo(e.x), bf_hi(e.x), bf_lo(e.y), bf_hi(e.y));
+                    } else {
+                        v[u] = __ldcg((const float4*)in + i);
+                    }
                 }
             }
-        }
 #pragma unroll
-        for (int u = 0; u < XV; ++u) {
-            const int i = base + u * NT + tid;  // float4 i = half (i & 1) of chunk i / 2
-            if (i < K4) {
-                *(float4*)(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1)) = v[u];
-                ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
-                ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
+            for (int u = 0; u < XV; ++u) {
+                const int i = base + u * NT + tid;  // float4 i = half (i & 1) of chunk i / 2
+                if (i < K4) {
+                    *(float4*)(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1)) = v[u];
+                    ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
+                    ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
+                }
             }
         }
     }
