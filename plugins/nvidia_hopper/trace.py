@@ -48,17 +48,15 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
             cwait = np.median(t[s, :, 8])
             rel = np.median(t[s, :, 9] - done) if t[s, :, 9].any() else 0
             tiles = t[s, :, 10] > 0
+            ph, sub = [0] * 5, [0.0] * 4
             if tiles.any():
                 tt = t[s][tiles]
-                ph = [np.median(tt[:, 10] - tt[:, 1]), np.median(tt[:, 11] - tt[:, 10]),
-                      np.median(tt[:, 12] - tt[:, 11]), np.median(tt[:, 13] - tt[:, 12]), np.median(tt[:, 3] - tt[:, 13])]
-            else:
-                ph = [0] * 5
-            sub = [0.0] * 4  # first sub-chunk: scores, softmax, P.V, reduction (builds with TRACE_W >= 20)
-            if tiles.any() and t.shape[-1] >= 20 and t[s][tiles][:, 19].all():
-                tt = t[s][tiles]
-                sub = [np.median(tt[:, 16] - tt[:, 11]), np.median(tt[:, 17] - tt[:, 16]),
-                       np.median(tt[:, 18] - tt[:, 17]), np.median(tt[:, 19] - tt[:, 18])]
+
+                def steps(fields):  # median time between consecutive stamps, blocks with a tile
+                    return [np.median(tt[:, f1] - tt[:, f0]) for f0, f1 in zip(fields, fields[1:])]
+                ph = steps([1, 10, 11, 12, 13, 3])
+                if t.shape[-1] >= 20 and tt[:, 19].all():  # first sub-chunk: scores, softmax, P.V, reduction
+                    sub = steps([11, 16, 17, 18, 19])
             xin = np.median(t[s, :, 14] - t[s, :, 1]) if t[s, :, 14].all() else 0
             nrm = np.median(t[s, :, 15] - t[s, :, 14]) if xin and t[s, :, 15].all() else 0
             r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub))

@@ -173,21 +173,26 @@ def test_smollm2_greedy_128_matches_reference():
     assert len(ties) <= 2, f"ties at {ties}"
 
 
+def _assert_logits_and_greedy_match(hb, ref, vocab, n_tokens, seed, max_tokens):
+    """Logits at every position of a random prompt within 2e-2 of the reference, and greedy
+    decoding from a short prompt equal to the reference's, token for token."""
+    toks = np.random.default_rng(seed).integers(0, vocab, n_tokens).tolist()
+    got, want = hb.logits(toks), ref.logits(toks)
+    errs = [_rel(got[i], want[i]) for i in range(len(toks))]
+    assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
+    stop = StopCriteria(max_tokens=max_tokens)
+    prompt = [3, 17, 42, 5]
+    assert list(hb.generate(prompt, DefaultSampler(), SamplingParams(), stop)) == \
+        list(ref.generate(prompt, DefaultSampler(), SamplingParams(), stop))
+
+
 @pytest.mark.parametrize("name", ["laneformer-replicate", "laneformer-lane"])
 def test_laneformer_logits_and_greedy(name):
     pytest.importorskip("kog_laneformer")
     from .hopper_models import laneformer_model
     arch, prog, w = laneformer_model(name)
     ref, hb = _backends(prog, w)
-    rng = np.random.default_rng(2)
-    toks = rng.integers(0, prog.vocab_size, 100).tolist()
-    got, want = hb.logits(toks), ref.logits(toks)
-    errs = [_rel(got[i], want[i]) for i in range(len(toks))]
-    assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
-    stop = StopCriteria(max_tokens=128)
-    prompt = [3, 17, 42, 5]
-    assert list(hb.generate(prompt, DefaultSampler(), SamplingParams(), stop)) == \
-        list(ref.generate(prompt, DefaultSampler(), SamplingParams(), stop))
+    _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=100, seed=2, max_tokens=128)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])
@@ -205,13 +210,6 @@ def test_non_default_paths_match_reference(name, monkeypatch):
     try:
         assert hb.variant.get("NORM_SMEM", 0) == 0 and hb.kalign == 1
         assert any(st.type == "matvec" and "MV_ATTN" in st.f for st in hb.stages)  # the loader combines
-        toks = np.random.default_rng(3).integers(0, prog.vocab_size, 120).tolist()
-        got, want = hb.logits(toks), ref.logits(toks)
-        errs = [_rel(got[i], want[i]) for i in range(len(toks))]
-        assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
-        stop = StopCriteria(max_tokens=64)
-        prompt = [3, 17, 42, 5]
-        assert list(hb.generate(prompt, DefaultSampler(), SamplingParams(), stop)) == \
-            list(ref.generate(prompt, DefaultSampler(), SamplingParams(), stop))
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=3, max_tokens=64)
     finally:
         hb.close()

@@ -398,6 +398,10 @@ drain:
 // x of each lane the block touches, in shared memory at xs + (lane - first lane) * K, split in
 // halves so that a warp's 16-byte reads are conflict-free: chunk i (x[8i..8i+7]) has its first
 // four values at float4 i of the lower half and the last four at float4 i of the upper half.
+// x_f4: where float4 i4 of the row (x[4 i4 .. 4 i4 + 3]) lives: half (i4 & 1) of chunk i4 / 2.
+__device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
+    return (float4*)(x + ((i4 & 1) ? (K >> 1) : 0) + 4 * (i4 >> 1));
+}
 
 #define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
                 // (7 or 8, to load down's 8192 in one round trip at 10 warps, spill 84+ bytes)
@@ -433,12 +437,12 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
     if (X_CPASYNC && !(mode & IN_EMBED)) {
         // the row by cp.async: every float4 in flight at once whatever K (no registers held), and
         // each thread then reads back only the float4s it copied itself (no barrier needed)
-        for (int i = tid; i < K4; i += NT) cp_async16(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1), (const float4*)in + i);
+        for (int i = tid; i < K4; i += NT) cp_async16(x_f4(x, K, i), (const float4*)in + i);
         cp_commit();
         cp_wait_all();
         if (mode & IN_NORM)
             for (int i = tid; i < K4; i += NT) {  // the same order of additions as the register path
-                const float4 v = *(const float4*)(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1));
+                const float4 v = *x_f4(x, K, i);
                 ss = fmaf(v.x, v.x, ss); ss = fmaf(v.y, v.y, ss); ss = fmaf(v.z, v.z, ss); ss = fmaf(v.w, v.w, ss);
             }
     } else {  // the register path: XV float4 per thread in flight, then stored
@@ -458,9 +462,9 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
             }
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
-                const int i = base + u * NT + tid;  // float4 i = half (i & 1) of chunk i / 2
+                const int i = base + u * NT + tid;
                 if (i < K4) {
-                    *(float4*)(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1)) = v[u];
+                    *x_f4(x, K, i) = v[u];
                     ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
                     ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
                 }
@@ -485,7 +489,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;  // this thread stored float4 i above
                 if (i < K4) {
-                    float4* p = (float4*)(x + ((i & 1) ? (K >> 1) : 0) + 4 * (i >> 1));
+                    float4* p = x_f4(x, K, i);
                     float4 xv = *p;
                     xv.x = xv.x / d * bf_lo(w[u].x); xv.y = xv.y / d * bf_hi(w[u].x);
                     xv.z = xv.z / d * bf_lo(w[u].y); xv.w = xv.w / d * bf_hi(w[u].y);
@@ -540,7 +544,7 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
                 s.x = fmaf(wk_, v[k].x, s.x); s.y = fmaf(wk_, v[k].y, s.y); s.z = fmaf(wk_, v[k].z, s.z); s.w = fmaf(wk_, v[k].w, s.w);
             }
         }
-        *(float4*)(x + ((i & 4) ? (K >> 1) : 0) + 4 * (i >> 3)) = s;
+        *x_f4(x, K, i4) = s;
     }
 }
 
@@ -887,9 +891,10 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             u16* Kb = kvb + ((s % KV_BUFS) * 2) * ATT_SUB * RS;
             u16* Vb = Kb + ATT_SUB * RS;
             cp_wait_kv();  // this thread's copies of sub-chunk s have landed
-            if (own && pos >= a && pos < a + cnt)
+            if (own && pos >= a && pos < a + cnt) {  // braces: ATT_LOOP may be a pragma, not a statement
                 ATT_LOOP
                 for (int i = tid; i < hd; i += NT) { Kb[(pos - a) * RS + i] = f2bf(kn[i]); Vb[(pos - a) * RS + i] = f2bf(vn[i]); }
+            }
             csync();
             if (s == 0) TMARK(c, 11);
             // scores: lpr lanes per K row, reduced by shuffles within the row's lanes
