@@ -2,6 +2,7 @@
 checked), the program lowering fuses what it should, and the backend says 'no GPU' cleanly."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kog_core.errors import BackendUnavailable, KogError
@@ -9,7 +10,8 @@ from kog_core.errors import BackendUnavailable, KogError
 # The default build (v17): 10 consumer warps + the producer + the signal warp (12 warps a block, so
 # up to 168 registers a thread: the register file's quadrants cap 13 warps at 128), one attention
 # K/V buffer, the attention inlined, the preloaded norm weights in shared memory.
-DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1, INLINE_ATTENTION=1, NORM_SMEM=1)
+DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1, INLINE_ATTENTION=1, NORM_SMEM=1, STREAM_L2_FIRST=1,
+               NORM_RCP=1, ATT_FASTDIV=1)
 MAX_REGISTERS = 168
 # Spill bytes of the whole kernel (every function): 0 since session 8. History: 4 at the entry in
 # v15 (the next stage's descriptor row by cp.async instead of registers held across the noinline
@@ -389,7 +391,7 @@ def test_noinline_attention_build_compiles():
 
 
 def test_compact_attention_experiment_compiles_smaller():
-    """KOG_HOPPER_COMPACT_ATTENTION=1 (an experiment, off; not yet run on the GPU): the attention's
+    """KOG_HOPPER_COMPACT_ATTENTION=1 (an experiment, off; 1.6% slower, session 9): the attention's
     loops are not unrolled; the build has no spills and fewer instructions than the default."""
     cubin, log, rep = _compile(**DEFAULT, COMPACT_ATTENTION=1)
     assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
@@ -400,7 +402,7 @@ def test_compact_attention_experiment_compiles_smaller():
 
 @pytest.mark.parametrize("extra", [dict(X_CPASYNC=1), dict(X_CPASYNC=1, COMPACT_ATTENTION=1)])
 def test_input_rows_by_cp_async_experiment_compiles(extra):
-    """KOG_HOPPER_X_CPASYNC=1 (an experiment, off; not yet run on the GPU): a stage's input row by
+    """KOG_HOPPER_X_CPASYNC=1 (an experiment, off; 13% slower, session 9): a stage's input row by
     cp.async into shared memory; compiles without spills, alone and with the compact attention."""
     cubin, log, rep = _compile(**DEFAULT, **extra)
     assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
@@ -411,14 +413,25 @@ def test_stream_probe_rounds_are_well_formed():
     """Every round's configurations name a known kind and only settings the launcher reads; round 9
     (instruction fetch) times the code block with every eviction size, alone and beside the ring."""
     from kog_nvidia_hopper import stream_probe as P
-    known = set(P.DECODE_RING) | {"blocks", "trace", "wrap", "lsu_kb", "evict", "unroll", "threads"}
-    for r in range(1, 10):
+    known = set(P.DECODE_RING) | {"blocks", "trace", "wrap", "lsu_kb", "evict", "unroll", "threads", "l2_first"}
+    for r in range(1, 12):
         for name, kind, settings in P.configs(round_=r):
             assert kind in ("ring", "ldg", "lat") and name.strip(), (r, name)
             assert set(settings) <= known, (r, name, set(settings) - known)
     r9 = P.configs(round_=9)
     assert sorted((k, s["evict"]) for _, k, s in r9) == [("lat", 0), ("lat", 1), ("lat", 2), ("ring", 0), ("ring", 1), ("ring", 2)]
     assert all(s["lat_kind"] == 3 for _, _, s in r9) and all(s["lat_warp"] == 1 for _, k, s in r9 if k == "ring")
+
+
+def test_stream_probe_round10_pairs_each_code_probe_with_its_evict_first_twin():
+    """Round 10 reruns round 9 (clock fixed) and adds the same code probes with the ring's copies
+    L2 evict-first, plus the ring alone and with load chains, each with and without the hint."""
+    from kog_nvidia_hopper import stream_probe as P
+    r10 = P.configs(round_=10)
+    code_first = sorted(s["evict"] for _, k, s in r10 if k == "ring" and s["lat_kind"] == 3 and s.get("l2_first"))
+    assert code_first == [0, 2]
+    chains = sorted(s.get("l2_first", 0) for _, k, s in r10 if k == "ring" and s["lat_warp"] and s["lat_kind"] == 0)
+    assert chains == [0, 1]
 
 
 def test_stream_probe_compiles():
@@ -432,6 +445,74 @@ def test_stream_probe_compiles():
         rep = ptxas_report(log, entry)
         assert "registers" in rep, log[-1500:]
     assert ptxas_report(log, "probe_ring")["spill_stores"] == 0, log[-1500:]
+
+
+def test_attention_shape_constants_for_bench_2b_and_none_when_stages_differ():
+    """KOG_HOPPER_SHAPE_CONSTS=1: bench-2b's attention stages share one shape, which becomes the
+    ATC_* constants; stages that differ give none (the descriptor fields stay in use)."""
+    from kog_nvidia_hopper import schedule as S
+    stages = _bench2b_stages_as_loaded()
+    consts = S.attention_shape_consts(stages)
+    at = next(st for st in stages if st.type == "attn")
+    assert consts == {f"ATC_{k}": at.f[f"AT_{k}"] for k in S.ATTENTION_SHAPE_FIELDS}
+    assert consts["ATC_HD"] == 128 and consts["ATC_T"] == 4096
+    later = [st for st in stages if st.type == "attn"][-1]
+    later.f["AT_HKV"] *= 2
+    assert S.attention_shape_consts(stages) == {}
+
+
+def test_attention_shape_constants_build_compiles_smaller():
+    """The SHAPE_CONSTS build (bench-2b's shapes) compiles without spills to fewer instructions."""
+    from kog_nvidia_hopper import schedule as S
+    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    cubin, log, rep = _compile(**DEFAULT, **consts)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    default, _, _ = _compile(**DEFAULT)
+    assert len(cubin) < len(default)
+
+
+@pytest.mark.parametrize("off", [dict(NORM_RCP=0), dict(NORM_RCP=0, ATT_FASTDIV=0)])
+def test_v18b_defaults_make_the_code_smaller(off):
+    """NORM_RCP (the normalise pass divides through d's reciprocal, Markstein) and ATT_FASTDIV (the
+    attention's divisions by its chunk count from a corrected float estimate), defaults since v18b:
+    turned off (KOG_HOPPER_NORM_RCP=0, KOG_HOPPER_ATT_FASTDIV=0) the build still has no spills, and
+    more code on the per-layer path."""
+    from kog_nvidia_hopper import schedule as S
+    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    cubin, log, rep = _compile(**dict(DEFAULT, **consts, **off))
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    default, _, _ = _compile(**DEFAULT, **consts)
+    assert len(default) < len(cubin)
+
+
+def test_markstein_division_is_the_correctly_rounded_quotient():
+    """NORM_RCP's x / d = q + (x - q d) r with r = RN(1 / d), q = RN(x r), each FMA rounded once
+    (emulated in long double): the same float32 as a division for normal operands."""
+    rng = np.random.default_rng(0)
+    n = 200_000
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-8, 8, n))).astype(np.float32)
+    d = np.exp(rng.uniform(-6, 6, n)).astype(np.float32)
+    r = (np.float32(1) / d).astype(np.float32)
+    q = (x * r).astype(np.float32)
+    L = np.longdouble
+    e = (L(x) - L(q) * L(d)).astype(np.float32)
+    out = (L(e) * L(r) + L(q)).astype(np.float32)
+    assert np.array_equal(out, x / d)
+
+
+def test_weight_copies_carry_the_l2_evict_first_hint_unless_turned_off():
+    """STREAM_L2_FIRST (default since v18; KOG_HOPPER_STREAM_L2_FIRST=0 turns it off): the
+    producer's bulk copies carry an L2 evict-first cache policy. No spills either way."""
+    from kog_nvidia_hopper import schedule
+    from kog_nvidia_hopper.cuda_util import source
+    assert "createpolicy.fractional.L2::evict_first" in source(schedule.header(DEFAULT))
+    cubin, log, rep = _compile(**dict(DEFAULT, STREAM_L2_FIRST=0))
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    default, _, _ = _compile(**DEFAULT)
+    assert cubin != default  # the hint changed the code (SASS: UBLKCP with a desc[] operand)
 
 
 def test_lsu_copy_build_compiles():

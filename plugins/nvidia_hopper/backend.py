@@ -230,6 +230,18 @@ class HopperBackend(KernelBackend):
             variant["COMPACT_ATTENTION"] = 1
         if _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1):  # input rows by cp.async (an experiment, session 8)
             variant["X_CPASYNC"] = 1
+        # v18 (session 9): the attention's shapes compiled in when every attention stage shares them
+        # (+3.4% on bench-2b), and the weight stream's copies L2 evict-first (+4.2%)
+        if _env_int("KOG_HOPPER_SHAPE_CONSTS", 1, lo=0, hi=1):
+            variant.update(S.attention_shape_consts(stages))
+        if _env_int("KOG_HOPPER_STREAM_L2_FIRST", 1, lo=0, hi=1):
+            variant["STREAM_L2_FIRST"] = 1
+        # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
+        # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the
+        # attention's divisions by its chunk count from a corrected float estimate)
+        for knob in ("NORM_RCP", "ATT_FASTDIV"):
+            if _env_int(f"KOG_HOPPER_{knob}", 1, lo=0, hi=1):
+                variant[knob] = 1
         if _env_int("KOG_HOPPER_INLINE_ATTENTION", 1, lo=0, hi=1):  # no callee saves in the attention (v15)
             variant["INLINE_ATTENTION"] = 1
         self.trace_it0 = _env_int("KOG_HOPPER_TRACE", 0, lo=0) if os.environ.get("KOG_HOPPER_TRACE") else None

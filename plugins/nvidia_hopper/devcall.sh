@@ -12,7 +12,7 @@
 #   trace      per-stage timestamps (trace.py) for TRACE_PRESETS under each of TRACE_ENVS
 #   probe      the weight stream alone (stream_probe.py): ring and plain-load TB/s, pauses, load
 #              latency while streaming, the ring from L2, consumer time per item, instruction
-#              fetch (PROBE_ARGS="--round 6 7", "--round 9")
+#              fetch and the instruction caches (PROBE_ARGS="--round 6 7", "--round 10 11")
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT

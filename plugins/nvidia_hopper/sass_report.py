@@ -30,7 +30,8 @@ from kog_core.errors import KogError
 
 # bench-2b's default build (v17): 10 consumer warps, 6 x 31 KB ring after 32 KB of stage scratch
 DEFAULT_BUILD = dict(NT=320, NSLOTS=6, SLOT_BYTES=31744, RING_OFF=32768, KV_BUFS=1, SIGNAL_WARP=1,
-                     INLINE_ATTENTION=1, PREFETCH=0, NORM_SMEM=1)
+                     INLINE_ATTENTION=1, PREFETCH=0, NORM_SMEM=1, STREAM_L2_FIRST=1,
+                     NORM_RCP=1, ATT_FASTDIV=1)
 KINDS = {"LDL": re.compile(r"\bLDL(\.|\s)"), "STL": re.compile(r"\bSTL(\.|\s)"),
          "LD.E": re.compile(r"\bLD\.E"), "ST.E": re.compile(r"\bST\.E")}
 _LINE = re.compile(r'//## File ".*", line (\d+)')

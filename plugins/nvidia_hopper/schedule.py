@@ -342,6 +342,18 @@ def _attn_stage(P, ops, idxs, nb, nt, kv_bufs=2):
     return st
 
 
+ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K")
+
+
+def attention_shape_consts(stages) -> dict:
+    """decode.cu ATC_*: the attention's shapes as compile-time constants, when every attention
+    stage has the same ones (a sliding window may differ: it stays a descriptor field); else {}."""
+    shapes = {tuple(st.f[f"AT_{k}"] for k in ATTENTION_SHAPE_FIELDS) for st in stages if st.type == "attn"}
+    if len(shapes) != 1:
+        return {}
+    return {f"ATC_{k}": v for k, v in zip(ATTENTION_SHAPE_FIELDS, shapes.pop())}
+
+
 def _ew_stage(P, op, i):
     T = P.tensors
     k = op.kind

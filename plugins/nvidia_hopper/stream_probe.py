@@ -39,7 +39,8 @@ LAT_KINDS = {0: "ld.cg", 1: "ld.acquire.gpu", 2: "fence.acq_rel + ld.cg", 3: "co
 def configs(quick: bool = False, round_: int = 1):
     if round_ != 1:
         return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6,
-                7: configs_round7, 8: configs_round8, 9: configs_round9}[round_]()
+                7: configs_round7, 8: configs_round8, 9: configs_round9,
+                10: configs_round10, 11: configs_round11}[round_]()
     out = []
     base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
@@ -201,6 +202,32 @@ def configs_round9():
     return out
 
 
+def configs_round10():
+    """Round 9 again with the clock fixed, then the same with the ring's copies marked L2 evict-first:
+    while the ring streams, is cold code slow because the stream evicted it from L2 (an instruction
+    miss then goes to HBM behind the stream)? Also: does the hint cost the ring bandwidth, and does it
+    shorten a dependent L2 load (a stage boundary's poll or input)?"""
+    base = DECODE_RING
+    out = configs_round9()
+    for evict, what in ((0, "no other code between"), (2, "after 128 KB")):
+        out.append((f"ring evict-first + code block, {what}", "ring", dict(base, lat_warp=1, lat_kind=3, evict=evict, l2_first=1)))
+    out.append(("ring as decode, evict-first", "ring", dict(base, l2_first=1)))
+    out.append(("ring as decode + ld.cg chains", "ring", dict(base, lat_warp=1, lat_kind=0)))
+    out.append(("ring evict-first + ld.cg chains", "ring", dict(base, lat_warp=1, lat_kind=0, l2_first=1)))
+    return out
+
+
+def configs_round11():
+    """How much code fits in the instruction caches: the 16 KB block cold after 16 to 128 KB of other
+    code, alone and beside the ring (evict-first, as the kernel streams since session 9)."""
+    base = dict(DECODE_RING, l2_first=1)
+    sizes = ((1, 16), (3, 32), (4, 64), (5, 96), (2, 128))
+    out = [(f"16 KB code block alone, after {kb} KB", "lat", dict(lat_kind=3, evict=e)) for e, kb in sizes]
+    out += [(f"ring evict-first + code block, after {kb} KB", "ring", dict(base, lat_warp=1, lat_kind=3, evict=e))
+            for e, kb in sizes]
+    return out
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -226,7 +253,8 @@ def main():
     ap.add_argument("--round", type=int, nargs="+", default=[1],
                     help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async; 4: both; "
                          "5: ring + register loads; 6: a load's latency while the ring streams; 7: the ring from L2; "
-                         "8: consumer time per item; 9: instruction fetch (several: in turn)")
+                         "8: consumer time per item; 9: instruction fetch; 10: the same, clock fixed, and the "
+                         "ring's copies L2 evict-first; 11: instruction cache sizes (several: in turn)")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
@@ -282,7 +310,8 @@ def main():
                     ctypes.c_uint32(s.get("lsu_kb", s["kb"] if s["ldgsts"] else 0) * 1024), ctypes.c_uint32(s["extra_kb"] * 1024),
                     ctypes.c_uint64(outp), ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace),
                     ctypes.c_int(s["lat_warp"]), ctypes.c_int(s["lat_kind"]), ctypes.c_uint64(d_chase), ctypes.c_uint64(d_lat),
-                    ctypes.c_uint32(s.get("wrap", 0)), ctypes.c_int(s.get("evict", 0))]
+                    ctypes.c_uint32(s.get("wrap", 0)), ctypes.c_int(s.get("evict", 0)),
+                    ctypes.c_int(s.get("l2_first", 0))]
             f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s["ldgsts"] + s["pf_warp"] + s["lat_warp"]), s["slots"] * slot
         else:
             per_block = (BUFFER_BYTES // blocks) // 16 * 16

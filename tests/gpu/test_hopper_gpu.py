@@ -199,16 +199,23 @@ def test_laneformer_logits_and_greedy(name):
 def test_non_default_paths_match_reference(name, monkeypatch):
     """The paths the v17 defaults left behind, in one build: the attention's chunks combined in
     o_proj's loader, the preloaded norm weights in local memory, equal k-slices (perf notes
-    session 8). They stay selectable, so they stay correct."""
+    session 8), and since session 9 the attention's shapes read from its descriptors instead of
+    compiled in, the weight copies without the L2 evict-first hint, the norm's plain division and
+    the attention's integer divisions. They stay selectable, so they stay correct."""
     if name not in SMALL:
         pytest.skip(f"no small model {name!r}")
     monkeypatch.setenv("KOG_HOPPER_ATTN_COMBINE", "loader")
     monkeypatch.setenv("KOG_HOPPER_NORM_SMEM", "0")
     monkeypatch.setenv("KOG_HOPPER_KALIGN", "0")
+    monkeypatch.setenv("KOG_HOPPER_SHAPE_CONSTS", "0")
+    monkeypatch.setenv("KOG_HOPPER_STREAM_L2_FIRST", "0")
+    monkeypatch.setenv("KOG_HOPPER_NORM_RCP", "0")
+    monkeypatch.setenv("KOG_HOPPER_ATT_FASTDIV", "0")
     arch, prog, w = model(name)
     ref, hb = _backends(prog, w)
     try:
         assert hb.variant.get("NORM_SMEM", 0) == 0 and hb.kalign == 1
+        assert not {"ATC_HD", "STREAM_L2_FIRST", "NORM_RCP", "ATT_FASTDIV"} & set(hb.variant)
         assert any(st.type == "matvec" and "MV_ATTN" in st.f for st in hb.stages)  # the loader combines
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=3, max_tokens=64)
     finally:

@@ -187,6 +187,42 @@ __device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {
 // Segment s of a matvec stage: MV_SEG0 + s * SEG_STRIDE + field
 __device__ __forceinline__ const i64* seg(const i64* st, int s) { return st + MV_SEG0 + s * SEG_STRIDE; }
 
+// The attention's shapes (L, H, HKV, HD, T, MAXCH, ROPE_Q, ROPE_K). When every attention stage has
+// the same ones, the backend defines them (ATC_*; default since v18, KOG_HOPPER_SHAPE_CONSTS=0 for
+// none) and they are compile-time constants: divisions by them become shifts and multiplies, loops
+// get fixed trip counts, dead branches go (bench-2b: 203 -> 184 KB of code, +3.4%). Code matters:
+// the attention's runs once a layer, and a line missing from the ~100 KB instruction cache costs
+// ~150 ns from L2 while the ring streams (stream probe rounds 10-11).
+#ifdef ATC_HD
+#define AT_I(st, F) ATC_##F
+#else
+#define AT_I(st, F) ((int)(st)[AT_##F])
+#endif
+
+// ATT_FASTDIV (the backend sets it by default since v18b; KOG_HOPPER_ATT_FASTDIV=0 for none): the
+// attention's divisions by its
+// run-time chunk count and size (tile -> chunk, kv head, lane) from a float reciprocal estimate,
+// corrected to the exact quotient: ~6 instructions instead of the ~25 of an integer division,
+// inlined at every site. Exact for 0 <= a < 2^20, 1 <= b < 2^20 (the estimate is off by at most one).
+#ifndef ATT_FASTDIV
+#define ATT_FASTDIV 0
+#endif
+__device__ __forceinline__ int att_div(int a, int b) {
+    if (!ATT_FASTDIV) return a / b;
+    float rb;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rb) : "f"((float)b));
+    int q = (int)((float)a * rb);
+    const int r = a - q * b;
+    return q + (r >= b) - (r < 0);
+}
+// The tile t of an attention over nch chunks: chunk, kv head, lane.
+__device__ __forceinline__ void att_tile(int t, int nch, int Hkv, int& ch, int& g, int& l) {
+    const int u = att_div(t, nch);
+    ch = t - u * nch;
+    l = u / Hkv;  // Hkv: a constant with SHAPE_CONSTS
+    g = u - l * Hkv;
+}
+
 // ATT_SUB (schedule.CONSTS): positions per K/V sub-chunk of attention in shared memory (double-buffered)
 
 // How attention splits the positions [start, pos] of a query: nch chunks of csz (the last one
@@ -194,15 +230,15 @@ __device__ __forceinline__ const i64* seg(const i64* st, int s) { return st + MV
 // sub-chunk: the fewest dependent steps) and <= 512 positions.
 // Shared by the attention stage and the loader that combines its chunks (IN_ATTN).
 __device__ __forceinline__ void att_chunks(const i64* at, int pos, int& start, int& nch, int& csz) {
-    const int L = (int)at[AT_L], Hkv = (int)at[AT_HKV], W = (int)at[AT_WINDOW];
+    const int L = AT_I(at, L), Hkv = AT_I(at, HKV), W = (int)at[AT_WINDOW];
     start = W > 0 ? max(0, pos - W + 1) : 0;
     const int n = pos - start + 1;
     nch = (n + ATT_SUB - 1) / ATT_SUB;
     nch = min(nch, max(1, (int)at[AT_TARGET] / (L * Hkv)));
     nch = max(nch, (n + 511) / 512);
-    nch = min(nch, (int)at[AT_MAXCH]);
-    csz = (n + nch - 1) / nch;
-    nch = (n + csz - 1) / csz;
+    nch = min(nch, AT_I(at, MAXCH));
+    csz = att_div(n + nch - 1, nch);
+    nch = att_div(n + csz - 1, csz);
 }
 
 // Stage input for the embedding mode: block 0 also writes the embedding row (the residual stream).
@@ -252,6 +288,14 @@ __shared__ u32 s_staged;  // SIGNAL_WARP: stages this block has finished (it * n
 #define COPY_LSU 0
 #endif
 #define FULL_ARRIVALS (COPY_LSU ? 33 : 1)
+// STREAM_L2_FIRST (the backend sets it by default since v18; KOG_HOPPER_STREAM_L2_FIRST=0 for
+// none): the weight stream's bulk copies carry an L2 evict-first policy, so the ~4 GB a token
+// streams through the 50 MB L2 stop evicting what is read again within the token: the kernel's
+// code, descriptors, KV cache and RoPE rows. bench-2b +4.2%; a dependent L2 load while the ring
+// streams 1.36 -> 1.06 us (stream probe round 10).
+#ifndef STREAM_L2_FIRST
+#define STREAM_L2_FIRST 0
+#endif
 __device__ __forceinline__ void lsu_copy(void* dst, const void* src, u32 bytes, u64* bar, int ln) {
     for (u32 o = ln * 16; o < bytes; o += 32 * 16)
         cp_async16((unsigned char*)dst + o, (const unsigned char*)src + o);
@@ -301,10 +345,11 @@ __device__ void att_prefetch_l2(const Ctx& c, int as, int it) {
     const int pos = c.start_pos + it;
     int start, nch, csz;
     att_chunks(st, pos, start, nch, csz);
-    const int Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD], T = (int)st[AT_T];
+    const int Hkv = AT_I(st, HKV), hd = AT_I(st, HD), T = AT_I(st, T);
     const int t = blockIdx.x;
-    if (t >= (int)st[AT_L] * Hkv * nch) return;
-    const int ch = t % nch, g = (t / nch) % Hkv, l = t / (nch * Hkv);
+    if (t >= AT_I(st, L) * Hkv * nch) return;
+    int ch, g, l;
+    att_tile(t, nch, Hkv, ch, g, l);
     const int p0 = start + ch * csz, p1 = min(p0 + csz, pos);
     if (p1 <= p0) return;
     const i64 row = ((i64)(l * Hkv + g) * T + p0) * hd;
@@ -325,6 +370,7 @@ __device__ __noinline__ void produce(const Ctx& c) {
     const int e0 = (int)list[blockIdx.x], n = (int)list[blockIdx.x + 1] - e0;
     const uint4* ent = (const uint4*)list + SE_HEAD(nb) + 3 * e0;
     u32 q = 0;
+    const u64 l2pol = STREAM_L2_FIRST ? l2_evict_first_policy() : 0;
     if (n == 0) {  // no weights to stream in this block
         while (!atomicAdd(&s_done, 0)) __nanosleep(2000);
         return;
@@ -370,7 +416,8 @@ __device__ __noinline__ void produce(const Ctx& c) {
                     if (COPY_LSU) mbar_arrive(&full_bar[slot]);
                     else {
                         mbar_expect_tx(&full_bar[slot], bytes);
-                        bulk_copy(ring_slot(q), (const void*)(((u64)hi << 32) | lo), bytes, &full_bar[slot]);
+                        if (STREAM_L2_FIRST) bulk_copy_hint(ring_slot(q), (const void*)(((u64)hi << 32) | lo), bytes, &full_bar[slot], l2pol);
+                        else bulk_copy(ring_slot(q), (const void*)(((u64)hi << 32) | lo), bytes, &full_bar[slot]);
                     }
                 }
                 q |= done ? 0x80000000u : 0u;
@@ -407,7 +454,7 @@ __device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
                 // (7 or 8, to load down's 8192 in one round trip at 10 warps, spill 84+ bytes)
 // X_CPASYNC (an experiment, off; KOG_HOPPER_X_CPASYNC=1): a stage's input row (not an embedding
 // row) comes by cp.async straight into shared memory: one round trip for any K (down's 8192 takes
-// two with XV 6 at 10 warps: the trace's 1.8 us "input landed" against ~0.85 for K = 2048).
+// two with XV 6 at 10 warps). Measured 13% slower (perf notes session 9).
 #ifndef X_CPASYNC
 #define X_CPASYNC 0
 #endif
@@ -418,6 +465,21 @@ __device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
 #ifndef NORM_SMEM
 #define NORM_SMEM 0
 #endif
+
+// NORM_RCP (the backend sets it by default since v18b; KOG_HOPPER_NORM_RCP=0 for the division):
+// the normalise pass divides by d through
+// d's correctly rounded reciprocal r and one FMA residual (Markstein): q = x r, x / d = q + (x - q d) r,
+// rounded once; the correctly rounded quotient for normal operands, as the division gives, in 3
+// instructions instead of the division's inline fast path and slow-path check (24 divisions a
+// thread, ~6 KB of code run cold once a stage).
+#ifndef NORM_RCP
+#define NORM_RCP 0
+#endif
+__device__ __forceinline__ float div_by(float x, float d, float r) {
+    if (!NORM_RCP) return x / d;
+    const float q = __fmul_rn(x, r);
+    return fmaf(fmaf(-q, d, x), r, q);
+}
 
 // Loads are issued in batches of XV per thread before any is used: a loop of one load per
 // iteration costs a full L2 round trip per iteration (K = 8192: six) on every stage's critical path.
@@ -476,6 +538,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
         const float tot = block_sum(ss);  // includes the barrier
         TMARK(c, 15);
         const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));  // x / d * w, as the reference rounds
+        const float rd = 1.0f / d;  // NORM_RCP
         if (NORM_SMEM && nws) cp_wait_all();
         for (int base = 0; base < K4; base += XV * NT) {
             uint2 w[XV];
@@ -491,8 +554,8 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
                 if (i < K4) {
                     float4* p = x_f4(x, K, i);
                     float4 xv = *p;
-                    xv.x = xv.x / d * bf_lo(w[u].x); xv.y = xv.y / d * bf_hi(w[u].x);
-                    xv.z = xv.z / d * bf_lo(w[u].y); xv.w = xv.w / d * bf_hi(w[u].y);
+                    xv.x = div_by(xv.x, d, rd) * bf_lo(w[u].x); xv.y = div_by(xv.y, d, rd) * bf_hi(w[u].x);
+                    xv.z = div_by(xv.z, d, rd) * bf_lo(w[u].y); xv.w = div_by(xv.w, d, rd) * bf_hi(w[u].y);
                     *p = xv;
                 }
             }
@@ -506,13 +569,13 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
 __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
     const i64* at = s_desc[c.dprev];  // MV_ATTN: the attention is always the stage just before (fuse_attention_combine)
     const int K = (int)s_desc[c.dcur][MV_K];
-    const int H = (int)at[AT_H], hd = (int)at[AT_HD], MAXCH = (int)at[AT_MAXCH];
+    const int H = AT_I(at, H), hd = AT_I(at, HD), MAXCH = AT_I(at, MAXCH);
     int start, nch, csz;
     att_chunks(at, c.pos, start, nch, csz);
     const float* ml = (const float*)at[AT_PART_ML] + (i64)lane * H * MAXCH * 2;
     const float* po = (const float*)at[AT_PART_O] + (i64)lane * H * MAXCH * hd;
     for (int i = threadIdx.x; i < H * nch; i += NT) {
-        const int h = i / nch, k = i - h * nch;
+        const int h = att_div(i, nch), k = i - h * nch;
         wk[2 * i] = ldf(ml + (h * MAXCH + k) * 2);
         wk[2 * i + 1] = ldf(ml + (h * MAXCH + k) * 2 + 1);
     }
@@ -689,9 +752,8 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
 
 // ------------------------------------------------------------------------------ attention
 // COMPACT_ATTENTION (an experiment, off; KOG_HOPPER_COMPACT_ATTENTION=1): the attention's loops
-// are not unrolled, so its code is smaller. The steps of one sub-chunk take 0.3-1.1 us for a few
-// dozen instructions a warp (perf notes session 8); if instruction fetch is why (stream probe
-// round 9), less code should be faster.
+// are not unrolled, so its code is smaller (600 instructions less). Measured 1.6% slower (perf
+// notes session 9): fewer bytes, but more instructions executed per step.
 #ifndef COMPACT_ATTENTION
 #define COMPACT_ATTENTION 0
 #endif
@@ -715,9 +777,18 @@ __device__ __forceinline__ void rope_pair(float a, float b, float cs, float sn, 
 __device__ __noinline__ void rope_vec(int off, int hd, int style, int tab) {
     float* v = smem_f() + off;
     const float* cs = smem_f() + tab;
-    int h2 = hd / 2;
+#ifdef ATC_HD  // a fixed trip count: the loop unrolls to exactly its (h2 / 32) steps per style
+    hd = ATC_HD;
+    constexpr int h2 = ATC_HD / 2;
+#pragma unroll
+    for (int k = 0; k < (h2 + 31) / 32; ++k) {
+        const int j = (threadIdx.x & 31) + 32 * k;
+        if (j >= h2) break;
+#else
+    const int h2 = hd / 2;
     ATT_LOOP
     for (int j = threadIdx.x & 31; j < h2; j += 32) {
+#endif
         int ia = style == 1 ? j : 2 * j, ib = style == 1 ? j + h2 : 2 * j + 1;
         float oa, ob;
         rope_pair(v[ia], v[ib], cs[j], cs[h2 + j], oa, ob);
@@ -757,7 +828,7 @@ __device__ __forceinline__ void att_issue(u16* Kb, u16* Vb, const u16* kc, const
 // [G][hd], new key / value [hd], scores [G][ATT_SUB], P.V partials NT * 8 (before the loop: this
 // position's RoPE cos and sin rows), then the K/V buffers.
 __device__ __forceinline__ int att_red_off(const Ctx& c) {  // float offset of the P.V partials
-    const int G = (int)s_desc[c.dcur][AT_H] / (int)s_desc[c.dcur][AT_HKV], hd = (int)s_desc[c.dcur][AT_HD];
+    const int G = AT_I(s_desc[c.dcur], H) / AT_I(s_desc[c.dcur], HKV), hd = AT_I(s_desc[c.dcur], HD);
     return 2 * G * hd + 2 * hd + G * ATT_SUB;
 }
 __device__ __forceinline__ u16* att_kvbuf(const Ctx& c) {
@@ -769,8 +840,8 @@ __device__ __forceinline__ u16* att_kvbuf(const Ctx& c) {
 // finds its tables landed instead of loading them (a second round trip after q's).
 __device__ void att_issue_first(const Ctx& c, int t) {
     const i64* st = s_desc[c.dcur];
-    const int Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD], T = (int)st[AT_T];
-    if (st[AT_ROPE_Q] || st[AT_ROPE_K]) {  // cos then sin row of this position, h2 floats each
+    const int Hkv = AT_I(st, HKV), hd = AT_I(st, HD), T = AT_I(st, T);
+    if (AT_I(st, ROPE_Q) || AT_I(st, ROPE_K)) {  // cos then sin row of this position, h2 floats each
         const int h2 = hd >> 1, tid = threadIdx.x;
         float* tab = smem_f() + att_red_off(c);
         if (tid < h2 / 2) {  // h2 / 4 float4 of each row (hd % 8 == 0)
@@ -783,7 +854,8 @@ __device__ void att_issue_first(const Ctx& c, int t) {
     cp_commit();
     int start, nch, csz;
     att_chunks(st, c.pos, start, nch, csz);
-    const int ch = t % nch, g = (t / nch) % Hkv, l = t / (nch * Hkv);
+    int ch, g, l;
+    att_tile(t, nch, Hkv, ch, g, l);
     const int p0 = start + ch * csz, p1 = min(p0 + csz, c.pos + 1);
     const int nsub = (p1 - p0 + ATT_SUB - 1) / ATT_SUB;
     const int skip = (st[AT_KNEW] != 0 && p1 == c.pos + 1) ? c.pos : -1;
@@ -800,7 +872,7 @@ __device__ void att_issue_first(const Ctx& c, int t) {
 __device__ __forceinline__ int att_ntiles(const Ctx& c) {
     int start, nch, csz;
     att_chunks(s_desc[c.dcur], c.pos, start, nch, csz);
-    return (int)s_desc[c.dcur][AT_L] * (int)s_desc[c.dcur][AT_HKV] * nch;
+    return AT_I(s_desc[c.dcur], L) * AT_I(s_desc[c.dcur], HKV) * nch;
 }
 
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that the
@@ -817,8 +889,8 @@ __device__ __forceinline__ void run_attention(Ctx& c) {
 __device__ __noinline__ void run_attention(Ctx& c) {
 #endif
     const i64* st = s_desc[c.dcur];
-    const int L = (int)st[AT_L], H = (int)st[AT_H], Hkv = (int)st[AT_HKV], hd = (int)st[AT_HD];
-    const int T = (int)st[AT_T], MAXCH = (int)st[AT_MAXCH];
+    const int L = AT_I(st, L), H = AT_I(st, H), Hkv = AT_I(st, HKV), hd = AT_I(st, HD);
+    const int T = AT_I(st, T), MAXCH = AT_I(st, MAXCH);
     const int G = H / Hkv;
     const float scale = fslot(st, AT_SCALE);
     const int pos = c.pos;
@@ -845,13 +917,14 @@ __device__ __noinline__ void run_attention(Ctx& c) {
     u16* kvb = att_kvbuf(c);               // [KV_BUFS][K, V][ATT_SUB][RS] bf16 (= red + NT * 8)
     __shared__ float s_m[8], s_l[8], s_a[8];
     __shared__ int s_last;
-    const int ropeq = (int)st[AT_ROPE_Q], ropek = (int)st[AT_ROPE_K];
+    const int ropeq = AT_I(st, ROPE_Q), ropek = AT_I(st, ROPE_K);
     const bool fused = st[AT_KNEW] != 0;
     float* partO = (float*)st[AT_PART_O];
     float* partML = (float*)st[AT_PART_ML];
 
     for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        const int ch = t % nch, g = (t / nch) % Hkv, l = t / (nch * Hkv);
+        int ch, g, l;
+        att_tile(t, nch, Hkv, ch, g, l);
         const int p0 = start + ch * csz, p1 = min(p0 + csz, pos + 1);
         const int nsub = (p1 - p0 + ATT_SUB - 1) / ATT_SUB;
         const bool own = fused && p1 == pos + 1;
@@ -995,7 +1068,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 float* mls = red;
                 ATT_LOOP
                 for (int i = tid; i < G * nch; i += NT) {
-                    int gi = i / nch, k = i % nch;
+                    const int gi = att_div(i, nch), k = i - gi * nch;
                     const float* ml = partML + (((i64)l * H + g * G + gi) * MAXCH + k) * 2;
                     mls[i * 2] = ldf(ml);
                     mls[i * 2 + 1] = ldf(ml + 1);

@@ -28,6 +28,19 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
+// An L2 policy under which the lines a copy brings in are evicted first. The weight stream reads
+// every byte once a token (~4 GB through a 50 MB L2), so without it the stream pushes out what the
+// kernel reads again soon: its own code (~200 KB of SASS, run once a layer), the stage
+// descriptors, the KV cache, the RoPE tables.
+__device__ __forceinline__ u64 l2_evict_first_policy() {
+    u64 p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ void bulk_copy_hint(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+}
 // ask L2 for `bytes` at p (the copy engine: it queues with the bulk copies)
 __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");

@@ -25,7 +25,8 @@
 // such a load), kind 0 ld.global.cg, 1 ld.acquire.gpu, 2 fence.acq_rel.gpu + ld.global.cg; sums
 // (ns, loads, worst chain) go to lat_out. probe_lat: the same chains with nothing else running.
 // Kind 3 times instruction fetch instead: a 16 KB block of straight-line code (code_timed) run
-// cold (after `evict` other code: 0 none, 1 a different 16 KB block, 2 a 128 KB one) and at once
+// cold (after `evict` other code: 0 none, 1 a different 16 KB block, 2 a 128 KB one; 3-5: 32,
+// 64, 96 KB) and at once
 // again (hot); lat_out gets (cold ns, runs, worst cold, hot ns). Does code that has not run for a
 // while (the attention's, once a layer) cost microseconds to fetch while the rings stream?
 //
@@ -76,16 +77,27 @@ __device__ __forceinline__ float code_timed(float x) { return code_block<256, 1>
 __device__ __forceinline__ float code_evict(float x, int evict) {
     if (evict == 1) return code_block<256, 2>(x);    // 16 KB
     if (evict == 2) return code_block<2048, 3>(x);   // 128 KB
+    if (evict == 3) return code_block<512, 4>(x);    // 32 KB (round 11: the instruction caches' sizes)
+    if (evict == 4) return code_block<1024, 5>(x);   // 64 KB
+    if (evict == 5) return code_block<1536, 6>(x);   // 96 KB
     return x;
+}
+// The clock, read after x is computed and before it is used again: x passes through the asm, so the
+// compiler cannot move a call that makes or uses x across the read (a plain volatile read of the
+// clock does not order a call to a pure function: round 9's first run timed nothing as "cold").
+__device__ __forceinline__ u64 gtimer_at(float& x) {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t), "+f"(x));
+    return t;
 }
 // One cold and one hot run of code_timed: adds (cold ns, 1, -, hot ns) to the sums.
 __device__ __forceinline__ float code_round(float x, int evict, u64& cold, u64& worst, u64& hot) {
     x = code_evict(x, evict);
-    const u64 t0 = gtimer();
+    const u64 t0 = gtimer_at(x);
     x = code_timed(x);
-    const u64 t1 = gtimer();
+    const u64 t1 = gtimer_at(x);
     x = code_timed(x);
-    const u64 t2 = gtimer();
+    const u64 t2 = gtimer_at(x);
     cold += t1 - t0; hot += t2 - t1; worst = t1 - t0 > worst ? t1 - t0 : worst;
     return x;
 }
@@ -95,7 +107,7 @@ __device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
            int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, u32 lsu_bytes, u32 extra_bytes, float* out, u64* trace, u32 ntrace,
-           int lat_warp, int lat_kind, const u32* chase, u64* lat_out, u32 wrap_items, int evict) {
+           int lat_warp, int lat_kind, const u32* chase, u64* lat_out, u32 wrap_items, int evict, int l2_first) {
     // consumers, then the bulk producer warp, then `ldgsts` cp.async warps, then the prefetch warp, then the latency warp
     const int nc = blockDim.x - 32 - 32 * ldgsts - 32 * pf_warp - 32 * lat_warp;
     const int tid = threadIdx.x;
@@ -167,6 +179,7 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
     if (tid >= nc) {  // producer warp
         if (tid != nc) return;
         const u32 cb = (slot_bytes - lsu_bytes) / chunks;
+        const u64 pol = l2_evict_first_policy();  // l2_first: the copies' lines are evicted first
         for (u64 q = 0; q < nitems; ++q) {
             const u32 s = (u32)(q % nslots);
             if (q >= nslots) mbar_wait(&empty_bar[s], (u32)((q / nslots - 1) & 1));
@@ -176,9 +189,12 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
                 prefetch_l2(base + (q + prefetch) * slot_bytes, slot_bytes);
             if (lsu_bytes >= slot_bytes) { mbar_arrive(&full_bar[s]); continue; }
             mbar_expect_tx(&full_bar[s], slot_bytes - lsu_bytes);
-            for (u32 k = 0; k < chunks; ++k)
-                bulk_copy(probe_smem + (u64)s * slot_bytes + k * cb, base + (wrap_items ? q % wrap_items : q) * slot_bytes + k * cb,
-                          cb, &full_bar[s]);
+            for (u32 k = 0; k < chunks; ++k) {
+                unsigned char* d = probe_smem + (u64)s * slot_bytes + k * cb;
+                const unsigned char* g = base + (wrap_items ? q % wrap_items : q) * slot_bytes + k * cb;
+                if (l2_first) bulk_copy_hint(d, g, cb, &full_bar[s], pol);
+                else bulk_copy(d, g, cb, &full_bar[s]);
+            }
         }
         for (u64 q = nitems > nslots ? nitems - nslots : 0; q < nitems; ++q)  // none may be in flight at exit
             mbar_wait(&full_bar[q % nslots], (u32)((q / nslots) & 1));
