@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kog_core.errors import BackendUnavailable, KogError
+from kog_core.errors import BackendUnavailable, CapabilityError, KogError
 
 # The default build (v17): 10 consumer warps + the producer + the signal warp (12 warps a block, so
 # up to 168 registers a thread: the register file's quadrants cap 13 warps at 128), one attention
@@ -304,7 +304,7 @@ def test_trace_summary_reads_a_synthetic_trace():
     import numpy as np
     from kog_nvidia_hopper.trace import summarize
     ntok, nst, nb = 4, 3, 5
-    tr = np.zeros((ntok, nst, nb, 20), np.uint64)
+    tr = np.zeros((ntok, nst, nb, 29), np.uint64)
     t = 1_000_000
     for k in range(ntok):
         for s in range(nst):
@@ -314,12 +314,16 @@ def test_trace_summary_reads_a_synthetic_trace():
                 if s == 1:  # attention phases, and the first sub-chunk's steps 200 ns apart
                     tr[k, s, b, 10:14] = [t + 1600, t + 1700, t + 2900, t + 3000]
                     tr[k, s, b, 16:20] = [t + 1900, t + 2100, t + 2300, t + 2500]
+                    if b < 2:  # two blocks ran a second tile: start, phases, then its steps 100 ns apart
+                        tr[k, s, b, 20:25] = [t + 3000, t + 3300, t + 3400, t + 3800, t + 3900]
+                        tr[k, s, b, 25:29] = [t + 3500, t + 3600, t + 3700, t + 3800]
             t += 4400  # last block done + 0 gap: next stage enters then
     lines = summarize(tr, ["matvec[a]", "attn[attention]", "matvec[b]"])
     row = lines[2].split()
     assert row[1] == "attn[attention]" and float(row[2]) == 4.4  # chain us
     assert "attention phases 0.60 / 0.10 / 1.20 / 0.10" in lines[2]
     assert "(first sub-chunk: 0.20 / 0.20 / 0.20 / 0.20)" in lines[2]
+    assert "second tile, code hot: 0.30 / 0.10 / 0.40 / 0.10 (sub-chunk: 0.10 / 0.10 / 0.10 / 0.10)" in lines[2]
     assert "first sub-chunk" not in lines[1] and "first sub-chunk" not in lines[3]
     assert "most often last SM" in lines[-1] and "4x" in lines[-1]
 
@@ -445,6 +449,24 @@ def test_stream_probe_compiles():
         rep = ptxas_report(log, entry)
         assert "registers" in rep, log[-1500:]
     assert ptxas_report(log, "probe_ring")["spill_stores"] == 0, log[-1500:]
+
+
+def test_more_attention_tiles_than_blocks_grow_the_chunk_table():
+    """KOG_HOPPER_ATT_TILES above the block count (second tiles for the trace's cold/hot
+    comparison): the stage may split into more chunks, its partials scratch grows with it, and a
+    count the combine's table cannot hold is refused in one line."""
+    from kog_nvidia_hopper import schedule as S
+    at = next(st for st in _bench2b_stages_as_loaded() if st.type == "attn")
+    f = at.f
+    assert f["AT_MAXCH"] == 16 and f["AT_L"] * f["AT_HKV"] == 8
+    S.allow_attention_chunks(at, 33, 320)
+    assert f["AT_MAXCH"] == 33
+    assert f["_scratch"]["part_o"] == f["AT_L"] * f["AT_H"] * 33 * f["AT_HD"]
+    assert f["_scratch"]["part_ml"] == f["AT_L"] * f["AT_H"] * 33 * 2
+    S.allow_attention_chunks(at, 4, 320)  # never fewer than before
+    assert f["AT_MAXCH"] == 33
+    with pytest.raises(CapabilityError, match="KOG_HOPPER_ATT_TILES"):
+        S.allow_attention_chunks(at, 10_000, 320)
 
 
 def test_attention_shape_constants_for_bench_2b_and_none_when_stages_differ():

@@ -113,11 +113,14 @@ class HopperBackend(KernelBackend):
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs)
         # attention tiles to aim for (decode.cu att_chunks; default one per block): fewer, longer
-        # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8)
-        att_tiles = _env_int("KOG_HOPPER_ATT_TILES", 0, lo=0, hi=self.nb)
+        # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8);
+        # more than one per block gives blocks a second tile, whose code has just run (the trace
+        # build stamps it: instruction fetch, cold against hot)
+        att_tiles = _env_int("KOG_HOPPER_ATT_TILES", 0, lo=0, hi=4 * self.nb)
         for st in stages:
             if st.type == "attn" and att_tiles:
                 st.f["AT_TARGET"] = att_tiles
+                S.allow_attention_chunks(st, -(-att_tiles // (st.f["AT_L"] * st.f["AT_HKV"])), self.nt)
         self.T = program.context_length
         ptr: dict[str, int] = {}
         consts = program.metadata.get("consts", {})
@@ -248,7 +251,7 @@ class HopperBackend(KernelBackend):
         self.d_trace = 0
         if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)
             variant["TRACE"] = 1
-            self.trace_shape = (4, len(stages), self.nb, 20)  # decode.cu TRACE_W
+            self.trace_shape = (4, len(stages), self.nb, 29)  # decode.cu TRACE_W
             self.d_trace = self._alloc(int(np.prod(self.trace_shape)) * 8)
         self.smem = scratch + nslots * slot_bytes
         self.variant = variant
@@ -478,7 +481,7 @@ class HopperBackend(KernelBackend):
         return out
 
     def read_trace(self) -> np.ndarray:
-        """The last launch's timestamps [token, stage, block, 20] (decode.cu, TRACE builds)."""
+        """The last launch's timestamps [token, stage, block, 29] (decode.cu, TRACE builds)."""
         out = np.zeros(self.trace_shape, np.uint64)
         check(self.drv.cuMemcpyDtoH(out.ctypes.data, self.d_trace, out.nbytes), "cuMemcpyDtoH(trace)")
         return out

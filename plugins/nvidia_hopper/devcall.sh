@@ -9,10 +9,12 @@
 #   peer       the torch peer (.devcarry/torch_peer.py) for the same shapes
 #   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
 #   pick       export the fastest of the variants just run (KOG_HOPPER_* settings) for later phases
-#   trace      per-stage timestamps (trace.py) for TRACE_PRESETS under each of TRACE_ENVS
+#   trace      per-stage timestamps (trace.py) for TRACE_PRESETS under each of TRACE_ENVS (TRACE_ARGS:
+#              more trace.py arguments, e.g. "--at 1100 --tokens 1200")
 #   probe      the weight stream alone (stream_probe.py): ring and plain-load TB/s, pauses, load
 #              latency while streaming, the ring from L2, consumer time per item, instruction
 #              fetch and the instruction caches (PROBE_ARGS="--round 6 7", "--round 10 11")
+#   pack       last: everything under $OUT into one out.tgz (a call returns at most 8 files)
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -69,10 +71,12 @@ trace)
   export PYTHONPATH=${SITE:-/tmp/site}
   for m in ${TRACE_PRESETS:-bench-2b}; do for v in ${TRACE_ENVS:-"KOG_HOPPER_PREFETCH=0"}; do
     f=$OUT/trace_${m}_${v//[^A-Za-z0-9]/_}${TRACE_SKIP:+_skip$TRACE_SKIP}  # a second trace phase must not overwrite the first
-    env ${v//,/ } timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m ${TRACE_SKIP:+--skip $TRACE_SKIP} --save $f.npz > $f.log 2>&1
+    env ${v//,/ } timeout 120 python3 -m kog_nvidia_hopper.trace --preset $m ${TRACE_SKIP:+--skip $TRACE_SKIP} ${TRACE_ARGS:-} --save $f.npz > $f.log 2>&1
     echo "== trace $m $v rc=$?"; head -1 $f.log | cut -c1-200; grep -A12 "^token:" $f.log | cut -c1-120
   done; done ;;
 probe)
   export PYTHONPATH=${SITE:-/tmp/site}
   timeout ${PROBE_TIMEOUT:-120} python3 -m kog_nvidia_hopper.stream_probe ${PROBE_ARGS:-} --json $OUT/probe.json 2>&1 | tee $OUT/probe.log | cut -c1-200 ;;
+pack)
+  tar czf /tmp/out.tgz -C $OUT . && find $OUT -type f -delete && mv /tmp/out.tgz $OUT/out.tgz && echo "packed: out.tgz" ;;
 esac; done

@@ -342,6 +342,21 @@ def _attn_stage(P, ops, idxs, nb, nt, kv_bufs=2):
     return st
 
 
+def allow_attention_chunks(st: Stage, maxch: int, nt: int) -> None:
+    """Let an attention stage split a query's positions into up to `maxch` chunks (its partials
+    scratch grows to match); never fewer than lowering chose."""
+    f = st.f
+    maxch = max(maxch, f["AT_MAXCH"])
+    G = f["AT_H"] // f["AT_HKV"]
+    if maxch * G * 2 > nt * 8:
+        raise CapabilityError(f"nvidia_hopper attention: {maxch} chunks with {G} query heads per kv head do not fit "
+                              f"one chunk table (lower KOG_HOPPER_ATT_TILES)")
+    f["AT_MAXCH"] = maxch
+    sc = f["_scratch"]
+    sc["part_o"] = f["AT_L"] * f["AT_H"] * maxch * f["AT_HD"]
+    sc["part_ml"] = f["AT_L"] * f["AT_H"] * maxch * 2
+
+
 ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K")
 
 

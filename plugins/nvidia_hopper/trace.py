@@ -15,7 +15,7 @@ import numpy as np
 
 
 def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
-    """Text report of a trace [token, stage, block, 20] (ns; fields: decode.cu "trace"). Times
+    """Text report of a trace [token, stage, block, 29] (ns; fields: decode.cu "trace"). Times
     are medians over the tokens.
     Per stage: chain = last block done - previous stage's last block done; lat = median block's
     wait end - previous last done (signal propagation); load/work = median block; spread = last
@@ -23,8 +23,10 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
     producer had reached the stage; p_stall = producer time blocked on a full ring; c_wait = consumer
     time blocked on an empty slot (data not landed); rel = the release's own time. Attention stages
     also get their phases (blocks with a tile): q/k/v loaded + RoPE, first K/V, loop, partials,
-    release, and the first sub-chunk's steps (scores, softmax, P.V, reduction); matvec stages with
-    an input loader when its input landed (thread 0) and the norm's sum done."""
+    release, and the first sub-chunk's steps (scores, softmax, P.V, reduction); where blocks ran a
+    second tile (KOG_HOPPER_ATT_TILES above the block count), the same for it, its code hot: from its
+    start, q/k/v + RoPE, first K/V, loop, partials, then its sub-chunk's steps. Matvec stages with
+    an input loader: when its input landed (thread 0) and the norm's sum done."""
     tr = tr.astype(np.int64)
     ntok, nst, nb, _ = tr.shape
     rows = []
@@ -48,7 +50,7 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
             cwait = np.median(t[s, :, 8])
             rel = np.median(t[s, :, 9] - done) if t[s, :, 9].any() else 0
             tiles = t[s, :, 10] > 0
-            ph, sub = [0] * 5, [0.0] * 4
+            ph, sub, hot = [0] * 5, [0.0] * 4, [0.0] * 8
             if tiles.any():
                 tt = t[s][tiles]
 
@@ -57,9 +59,14 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
                 ph = steps([1, 10, 11, 12, 13, 3])
                 if t.shape[-1] >= 20 and tt[:, 19].all():  # first sub-chunk: scores, softmax, P.V, reduction
                     sub = steps([11, 16, 17, 18, 19])
+                if t.shape[-1] >= 29:  # second tiles: the same phases with the code just run
+                    two = t[s][t[s, :, 28] > 0]
+                    if len(two):
+                        hot = [np.median(two[:, f1] - two[:, f0])
+                               for f0, f1 in zip([20, 21, 22, 23, 22, 25, 26, 27], [21, 22, 23, 24, 25, 26, 27, 28])]
             xin = np.median(t[s, :, 14] - t[s, :, 1]) if t[s, :, 14].all() else 0
             nrm = np.median(t[s, :, 15] - t[s, :, 14]) if xin and t[s, :, 15].all() else 0
-            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub))
+            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub, *hot))
             prev_done = done.max()
         rows.append(r)
     if not rows:
@@ -75,6 +82,9 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
             line += "  attention phases " + " / ".join(f"{v:.2f}" for v in c[9:14])
             if c[17:21].any():
                 line += " (first sub-chunk: " + " / ".join(f"{v:.2f}" for v in c[17:21]) + ")"
+            if c[21:29].any():
+                line += ("; second tile, code hot: " + " / ".join(f"{v:.2f}" for v in c[21:25])
+                         + " (sub-chunk: " + " / ".join(f"{v:.2f}" for v in c[25:29]) + ")")
         if c[15]:
             line += f"  load: input landed {c[15]:.2f}" + (f", norm sum {c[16]:.2f}" if c[16] else "")
         out.append(line)

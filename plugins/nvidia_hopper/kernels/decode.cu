@@ -140,18 +140,23 @@ __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
 // 4 stage reached, 5 last copy issued, 6 ns spent waiting for free slots; 7 SM id; 8 consumer ns
 // waiting for full slots; 9 release done; attention 10 q/k/v ready, 11 first K/V landed, 12 loop
 // done, 13 partials written; matvec input loader 14 thread 0's loads landed, 15 norm's sum done;
-// attention's first sub-chunk 16 scores, 17 softmax, 18 P.V partials, 19 their reduction done.
+// attention's first sub-chunk 16 scores, 17 softmax, 18 P.V partials, 19 their reduction done;
+// a block's second attention tile, whose code has just run (KOG_HOPPER_ATT_TILES above the block
+// count): 20 tile start, 21-24 as 10-13, 25-28 as 16-19. Cold against hot code, the same steps.
 #ifdef TRACE
 #define NTRACE 4
-#define TRACE_W 20
+#define TRACE_W 29
 __device__ __forceinline__ u64* trace_row(const i64* run, int it, int s, int nst) {
     const int k = it - (int)run[R_TRACE_IT0];
     if (!run[R_TRACE] || k < 0 || k >= NTRACE) return nullptr;
     return (u64*)run[R_TRACE] + (((i64)k * nst + s) * gridDim.x + blockIdx.x) * TRACE_W;
 }
 #define TMARK(c, f) do { if ((c).tr && threadIdx.x == 0) (c).tr[f] = gtimer(); } while (0)
+// an attention stamp: field f on the block's first tile (tk 0), f2 on its second (tk 1)
+#define TMARK_TILE(c, tk, f, f2) do { if ((tk) == 0) TMARK(c, f); else if ((tk) == 1) TMARK(c, f2); } while (0)
 #else
 #define TMARK(c, f) do { } while (0)
+#define TMARK_TILE(c, tk, f, f2) do { (void)(tk); } while (0)
 #endif
 
 // ------------------------------------------------------------------------------ context
@@ -775,20 +780,16 @@ __device__ __forceinline__ void rope_pair(float a, float b, float cs, float sn, 
 // would take the generic path instead of LDS / STS (sass_report). Noinline: inlined, it perturbs
 // the attention's register allocation into spills.
 __device__ __noinline__ void rope_vec(int off, int hd, int style, int tab) {
+#ifdef ATC_HD
+    hd = ATC_HD;  // a constant: the loop below unrolls to its exact (h2 / 32) steps
+#endif
     float* v = smem_f() + off;
     const float* cs = smem_f() + tab;
-#ifdef ATC_HD  // a fixed trip count: the loop unrolls to exactly its (h2 / 32) steps per style
-    hd = ATC_HD;
-    constexpr int h2 = ATC_HD / 2;
-#pragma unroll
-    for (int k = 0; k < (h2 + 31) / 32; ++k) {
-        const int j = (threadIdx.x & 31) + 32 * k;
-        if (j >= h2) break;
-#else
     const int h2 = hd / 2;
     ATT_LOOP
-    for (int j = threadIdx.x & 31; j < h2; j += 32) {
-#endif
+    for (int k = 0; k < (h2 + 31) / 32; ++k) {  // a trip count, not `j < h2`: fixed when hd is
+        const int j = (threadIdx.x & 31) + 32 * k;
+        if (j >= h2) break;
         int ia = style == 1 ? j : 2 * j, ib = style == 1 ? j + h2 : 2 * j + 1;
         float oa, ob;
         rope_pair(v[ia], v[ib], cs[j], cs[h2 + j], oa, ob);
@@ -925,6 +926,8 @@ __device__ __noinline__ void run_attention(Ctx& c) {
     for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
         int ch, g, l;
         att_tile(t, nch, Hkv, ch, g, l);
+        const int tk = (t - (int)blockIdx.x) / (int)gridDim.x;  // the block's tile count so far (trace stamps)
+        if (tk == 1) TMARK(c, 20);  // the second tile's start (field 0 is the stage's entry)
         const int p0 = start + ch * csz, p1 = min(p0 + csz, pos + 1);
         const int nsub = (p1 - p0 + ATT_SUB - 1) / ATT_SUB;
         const bool own = fused && p1 == pos + 1;
@@ -949,7 +952,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         if (ropeq && warp < G) rope_vec(warp * hd, hd, ropeq, att_red_off(c));
         if (own && ropek && warp == NW - 1) rope_vec(GH, hd, ropek, att_red_off(c));
         csync();
-        TMARK(c, 10);
+        TMARK_TILE(c, tk, 10, 21);
         if (own) {
             ATT_LOOP
             for (int i = tid; i < hd; i += NT) {
@@ -969,7 +972,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 for (int i = tid; i < hd; i += NT) { Kb[(pos - a) * RS + i] = f2bf(kn[i]); Vb[(pos - a) * RS + i] = f2bf(vn[i]); }
             }
             csync();
-            if (s == 0) TMARK(c, 11);
+            if (s == 0) TMARK_TILE(c, tk, 11, 22);
             // scores: lpr lanes per K row, reduced by shuffles within the row's lanes
             ATT_LOOP
             for (int gi = 0; gi < G; ++gi) {
@@ -985,7 +988,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 }
             }
             csync();
-            if (s == 0) TMARK(c, 16);
+            if (s == 0) TMARK_TILE(c, tk, 16, 25);
             // running softmax, one warp per query head
             if (warp < G) {
                 float v = ln < cnt ? sc[warp * ATT_SUB + ln] : -__int_as_float(0x7f800000);  // ATT_SUB == 32
@@ -1003,7 +1006,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 }
             }
             csync();
-            if (s == 0) TMARK(c, 17);
+            if (s == 0) TMARK_TILE(c, tk, 17, 26);
             // P.V partials
             if (tid < nsplit * ncol) {
                 const int grp = tid / ncol, col = tid - grp * ncol, gi = col / nd8, d8 = col - gi * nd8;
@@ -1024,7 +1027,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 *(float4*)(rd + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
             }
             csync();
-            if (s == 0) TMARK(c, 18);
+            if (s == 0) TMARK_TILE(c, tk, 18, 27);
             ATT_LOOP
             for (int i = tid; i < GH; i += NT) {
                 float o = 0.f;
@@ -1033,12 +1036,12 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 ob[i] = ob[i] * s_a[i / hd] + o;
             }
             csync();  // buffer (s % KV_BUFS) and red are free again
-            if (s == 0) TMARK(c, 19);
+            if (s == 0) TMARK_TILE(c, tk, 19, 28);
             if (s + KV_BUFS < nsub) att_issue(Kb, Vb, kc, vc, a + KV_BUFS * ATT_SUB, min(a + (KV_BUFS + 1) * ATT_SUB, p1), skip, hd, RS);
             else cp_commit();
         }
         cp_wait_all();
-        TMARK(c, 12);
+        TMARK_TILE(c, tk, 12, 23);
         ATT_LOOP
         for (int i = tid; i < GH; i += NT) {
             const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
@@ -1052,7 +1055,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 }
             }
         }
-        TMARK(c, 13);
+        TMARK_TILE(c, tk, 13, 24);
         if (nch > 1 && combine) {
             csync();
             u32* ticket = (u32*)st[AT_TICKET] + l * Hkv + g;
