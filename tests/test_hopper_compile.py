@@ -469,6 +469,41 @@ def test_more_attention_tiles_than_blocks_grow_the_chunk_table():
         S.allow_attention_chunks(at, 10_000, 320)
 
 
+def test_tag_down_marks_each_gate_up_and_down_pair_with_alternating_writes():
+    """KOG_HOPPER_TAG_DOWN=1: bench-2b's 26 gate/up stages write the one shared SwiGLU buffer with
+    parity tags, write k of 26 a token, and each down_proj reads the write just before it; nothing
+    else is tagged. A reader with a norm (not a plain row) is never tagged."""
+    from kog_moe_standard_tp.llama import Llama
+    from kog_moe_standard_tp.presets import BENCH_2B
+    from kog_nvidia_hopper import schedule as S
+    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    stages = _bench2b_stages_as_loaded()
+    assert S.tag_pair_outputs(prog, stages) == ["act"]
+    out = [i for i, st in enumerate(stages) if st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_OUT"]]
+    inp = [i for i, st in enumerate(stages) if st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_IN"]]
+    assert len(out) == 26 and inp == [i + 1 for i in out]
+    assert all(stages[i].label == "gate_proj+up_proj" and stages[i + 1].label == "down_proj" for i in out)
+    assert [stages[i].f["MV_TAG"] for i in out] == [k | (26 << 16) for k in range(26)]
+    assert all(stages[i].f["MV_TAG"] == stages[i + 1].f["MV_TAG"] for i in out)
+    fresh = _bench2b_stages_as_loaded()
+    for st in fresh:
+        if st.label == "down_proj":
+            st.f["MV_IN_MODE"] = S.CONSTS["IN_NORM"]
+    assert S.tag_pair_outputs(prog, fresh) == []
+
+
+def test_tag_down_build_compiles_and_leaves_the_default_alone():
+    """The TAG_DOWN build has no spills; the parity code exists only in it."""
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.cuda_util import source
+    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    cubin, log, rep = _compile(**DEFAULT, **consts, TAG_DOWN=1)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    default, _, _ = _compile(**DEFAULT, **consts)
+    assert len(default) < len(cubin)
+
+
 def test_attention_shape_constants_for_bench_2b_and_none_when_stages_differ():
     """KOG_HOPPER_SHAPE_CONSTS=1: bench-2b's attention stages share one shape, which becomes the
     ATC_* constants; stages that differ give none (the descriptor fields stay in use)."""

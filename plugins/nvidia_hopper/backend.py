@@ -42,6 +42,7 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
 
 class HopperBackend(KernelBackend):
     name = "nvidia_hopper"
+    tagged: list = []  # TAG_DOWN's tensors (load sets them)
 
     def __init__(self, device: int = 0, **options):
         super().__init__(**options)
@@ -150,6 +151,7 @@ class HopperBackend(KernelBackend):
                 ptr[spec.name] = self._alloc(spec.numel * 4)
                 check(drv.cuMemsetD32(ptr[spec.name], 0, spec.numel), "cuMemsetD32")
         self.ptr = ptr
+        self.program_numel = {name: spec.numel for name, spec in program.tensors.items()}
         self.argmax_ptr = 0
         self.argmax_tiles = 0
 
@@ -178,6 +180,9 @@ class HopperBackend(KernelBackend):
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
+        # TAG_DOWN (an experiment, session 9, not yet run on the GPU): down_proj takes its input
+        # when the values carry this write's parity, instead of after gate/up's completion count
+        self.tagged = S.tag_pair_outputs(program, stages) if _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1) else []
         # decode.cu NORM_SMEM (default since v17, +0.5%): the norm weights a stage preloads before
         # its wait go to shared memory by cp.async instead of local memory
         self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 1, lo=0, hi=1)
@@ -242,6 +247,8 @@ class HopperBackend(KernelBackend):
         # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
         # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the
         # attention's divisions by its chunk count from a corrected float estimate)
+        if self.tagged:
+            variant["TAG_DOWN"] = 1
         for knob in ("NORM_RCP", "ATT_FASTDIV"):
             if _env_int(f"KOG_HOPPER_{knob}", 1, lo=0, hi=1):
                 variant[knob] = 1
@@ -369,6 +376,8 @@ class HopperBackend(KernelBackend):
             run[R["R_TRACE_IT0"]] = self.trace_it0
         check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
         check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
+        for name in self.tagged:  # TAG_DOWN: every value's parity bit says "not yet written" to write 0
+            check(drv.cuMemsetD32(self.ptr[name], 1, self.program_numel[name]), "cuMemsetD32(tagged)")
         self.cnt_view[0] = 0
         self.cancel_view[0] = 0
         args = ((self.d_desc, self.nst, self.d_counters, self.d_run),

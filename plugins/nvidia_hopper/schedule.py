@@ -33,7 +33,7 @@ SLOTS = dict(
     # matvec
     MV_K=2, MV_FLAGS=4, MV_IN_MODE=5, MV_IN=6, MV_NORM_W=7, MV_NORM_WL=8,
     MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_OUT_STRIDE=15, MV_SEG0=16,
-    MV_PACKED=65, MV_ATTN=66,
+    MV_PACKED=65, MV_ATTN=66, MV_TAG=67,
     SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
     SEG_RESL=8, SEG_W2=9,
     # attention
@@ -51,7 +51,7 @@ CONSTS = dict(
     ST_MATVEC=1, ST_ATTN=2, ST_EW=3, ST_SAMPLE=4,
     ATT_SUB=32,  # attention: positions per shared-memory K/V sub-chunk
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
-    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4,
+    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
     OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
 )
@@ -355,6 +355,38 @@ def allow_attention_chunks(st: Stage, maxch: int, nt: int) -> None:
     sc = f["_scratch"]
     sc["part_o"] = f["AT_L"] * f["AT_H"] * maxch * f["AT_HD"]
     sc["part_ml"] = f["AT_L"] * f["AT_H"] * maxch * 2
+
+
+def tag_pair_outputs(P, stages) -> list[str]:
+    """decode.cu TAG_DOWN: a gate/up stage whose SwiGLU output only the next stage reads, as its
+    plain input row (down_proj), writes it with a parity in each value's lowest mantissa bit
+    (MVF_TAG_OUT); the reader (MVF_TAG_IN) waits on the stage before the pair instead and takes the
+    row once every value carries the parity of this write. Consecutive writes of one buffer (layers
+    share it) alternate parity: write k of n a token, token t: (t n + k) & 1, from MV_TAG = k | n << 16
+    on both stages. Returns the tagged tensors (the backend marks them stale before each launch)."""
+    pairs = []
+    for i in range(2, len(stages) - 1):
+        st, nx = stages[i], stages[i + 1]
+        if st.type != "matvec" or nx.type != "matvec" or len(st.segs) != 1 or not st.segs[0]["SEG_W2"]:
+            continue
+        h = st.segs[0]["out_name"]
+        if nx.f["MV_IN"] != "@" + h or nx.f["MV_IN_MODE"] != 0:
+            continue
+        writes = [j for j, op in enumerate(P.ops) if h in op.outputs]
+        if writes.count(max(st.ops)) != 1 or not _readers(P.ops, max(st.ops), h) or not set(_readers(P.ops, max(st.ops), h)) <= set(nx.ops):
+            continue
+        pairs.append((st, nx, h, len(writes)))
+    tagged = sorted({h for _, _, h, _ in pairs})
+    for h in tagged:
+        mine = [(st, nx, n) for st, nx, hh, n in pairs if hh == h]
+        if len(mine) != mine[0][2]:  # every write of the buffer must be a tagged one, or parities would not alternate
+            tagged.remove(h)
+            continue
+        for k, (st, nx, n) in enumerate(mine):
+            st.f["MV_FLAGS"] |= CONSTS["MVF_TAG_OUT"]
+            nx.f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
+            st.f["MV_TAG"] = nx.f["MV_TAG"] = k | (n << 16)
+    return tagged
 
 
 ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K")

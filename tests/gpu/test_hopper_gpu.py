@@ -220,3 +220,20 @@ def test_non_default_paths_match_reference(name, monkeypatch):
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=3, max_tokens=64)
     finally:
         hb.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_tag_down_matches_reference(name, monkeypatch):
+    """KOG_HOPPER_TAG_DOWN=1 (an experiment, session 9): down_proj takes its input by the values'
+    parity tags instead of gate/up's completion count. Logits at every position and greedy tokens
+    still match the reference, over several launches (the tags are reset before each)."""
+    if name not in SMALL:
+        pytest.skip(f"no small model {name!r}")
+    monkeypatch.setenv("KOG_HOPPER_TAG_DOWN", "1")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("TAG_DOWN") == 1 and hb.tagged
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=4, max_tokens=64)
+    finally:
+        hb.close()

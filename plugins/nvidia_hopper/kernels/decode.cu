@@ -471,6 +471,35 @@ __device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
 #define NORM_SMEM 0
 #endif
 
+// TAG_DOWN (an experiment, off; KOG_HOPPER_TAG_DOWN=1; schedule.tag_pair_outputs): readiness in
+// the data for down_proj's input. gate/up writes each SwiGLU value with a parity in its lowest
+// mantissa bit (MVF_TAG_OUT; consecutive writes of the buffer alternate, MV_TAG), and down_proj
+// (MVF_TAG_IN) waits on the stage before gate/up instead of gate/up itself, then re-reads each
+// float4 of its row until all four values carry this write's parity: the input loads are the poll,
+// so the boundary loses gate/up's release and the poll's round trip. A 32-bit store is single-copy
+// atomic, so a value read with the new parity is the new value. Safe to overwrite next layer: a
+// block writes the buffer again only after every block has finished this down_proj (the next
+// layer's qkv waits on its count). The parity costs the value its last mantissa bit.
+#ifndef TAG_DOWN
+#define TAG_DOWN 0
+#endif
+#if TAG_DOWN && X_CPASYNC
+#error "TAG_DOWN checks the input's parity on the register path only: not with X_CPASYNC"
+#endif
+__device__ __forceinline__ u32 tag_parity(const i64* st, int it) {
+    const u32 t = (u32)st[MV_TAG];  // this write's index k | writes a token n << 16: (it n + k) & 1
+    return ((u32)it * (t >> 16) + (t & 0xffffu)) & 1u;
+}
+__device__ __forceinline__ float with_parity(float v, u32 p) { return __uint_as_float((__float_as_uint(v) & ~1u) | p); }
+__device__ __forceinline__ bool has_parity(float4 v, u32 p) {
+    return (((__float_as_uint(v.x) ^ p) | (__float_as_uint(v.y) ^ p) | (__float_as_uint(v.z) ^ p) | (__float_as_uint(v.w) ^ p)) & 1u) == 0;
+}
+__device__ __forceinline__ float4 ldcg4_volatile(const float4* p) {  // re-read on every call (a spin)
+    float4 r;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+
 // NORM_RCP (the backend sets it by default since v18b; KOG_HOPPER_NORM_RCP=0 for the division):
 // the normalise pass divides by d through
 // d's correctly rounded reciprocal r and one FMA residual (Markstein): q = x r, x / d = q + (x - q d) r,
@@ -500,6 +529,8 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
     const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
     const u16* nw = (const u16*)st[MV_NORM_W] + lane * st[MV_NORM_WL];
     const int tid = threadIdx.x;
+    const bool tagged = TAG_DOWN && ((int)st[MV_FLAGS] & MVF_TAG_IN);
+    const u32 par = tagged ? tag_parity(st, c.it) : 0u;
     float ss = 0.f;
     if (X_CPASYNC && !(mode & IN_EMBED)) {
         // the row by cp.async: every float4 in flight at once whatever K (no registers held), and
@@ -536,6 +567,16 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
                     ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
                 }
             }
+        }
+    }
+    if (TAG_DOWN && tagged) {  // TAG_DOWN: re-read this thread's stale float4s (a plain input: no norm sum)
+#pragma unroll 1
+        for (int i = tid; i < K4; i += NT) {
+            float4* p = x_f4(x, K, i);
+            float4 v = *p;
+            if (has_parity(v, par)) continue;
+            do { v = ldcg4_volatile((const float4*)in + i); } while (!has_parity(v, par));
+            *p = v;
         }
     }
     TMARK(c, 14);  // thread 0's input loads landed
@@ -724,7 +765,8 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         if ((flags & MVF_LOGITS) && c.logits_mode)
             out = c.logits_all + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
         if (pair) {
-            out[r0 - ra + warp] = acc0 / (1.0f + expf(-acc0)) * acc1;
+            const float hv = acc0 / (1.0f + expf(-acc0)) * acc1;
+            out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
             continue;
         }
         float y0 = acc0, y1 = acc1;
@@ -1427,6 +1469,8 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             cp_commit();
             const int type = (int)st[S_TYPE];
             const u32* wctr = s > 0 ? counters + s - 1 : counters + nst - 1;
+            // TAG_DOWN: the input's values say when they are ready; wait on the stage before their writer
+            if (TAG_DOWN && type == ST_MATVEC && ((int)st[MV_FLAGS] & MVF_TAG_IN)) wctr = counters + s - 2;
             const u32 wtarget = (c.skipmask >> 6) & 1 ? 0u : s > 0 ? nb * (u32)(it + 1) : nb * (u32)it;  // bit 6: stream only
             if (s == 0) c.tok = it < c.P ? prompt[it] : (int)ldi64(run + R_TOK);  // written before the previous iteration's last wait
 #ifdef TRACE
