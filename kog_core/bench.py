@@ -20,7 +20,10 @@ def cpu_copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * a.nbytes / sorted(times)[len(times) // 2]
 
 
-def run_bench(engine, tokens: int = 512, prompt_tokens: int = 16, seed: int = 0) -> dict:
+def run_bench(engine, tokens: int = 512, prompt_tokens: int = 16, seed: int = 0, temperature: float = 0.0,
+              top_k: int = 0, top_p: float = 1.0) -> dict:
+    """Decode `tokens` tokens after a random prompt, greedy by default; a temperature (with top-k /
+    top-p) measures sampled decoding, whose token choice runs on the device too."""
     prog = engine.program
     rng = np.random.default_rng(seed)
     stops = engine.stop_token_ids()
@@ -31,8 +34,9 @@ def run_bench(engine, tokens: int = 512, prompt_tokens: int = 16, seed: int = 0)
     weight_dtype = "bf16" if on_device else "f32"
     kv_dtype = "bf16" if on_device else "f32"
     # One short warm-up request (compilation, caches), then the measured one.
-    engine.generate(prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
-    res = engine.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
+    engine.generate(prompt, max_tokens=4, ignore_eos=True, **sampling)
+    res = engine.generate(prompt, max_tokens=tokens, ignore_eos=True, **sampling)
     n = len(res.token_ids)
     weight_bytes = prog.weight_bytes_per_token(weight_dtype)
     per_op = lambda kv_len: prog.bytes_per_op(kv_len=kv_len, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
@@ -47,6 +51,7 @@ def run_bench(engine, tokens: int = 512, prompt_tokens: int = 16, seed: int = 0)
         "ttft_ms": round(res.ttft_s * 1e3, 3),
         "prefill_tok_s": round(len(prompt) / res.ttft_s, 2) if res.ttft_s > 0 else None,
         "decode_tok_s": round(res.decode_tok_s, 2),
+        "sampling": "greedy" if temperature <= 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}",
         "weight_bytes_per_token": weight_bytes, "kv_bytes_per_token_mid": kv_mid, "kv_bytes_per_token_end": kv_end,
         "weight_dtype": weight_dtype,
         "copy_bandwidth_TBps": round(bw / 1e12, 4),
@@ -54,7 +59,7 @@ def run_bench(engine, tokens: int = 512, prompt_tokens: int = 16, seed: int = 0)
         "mbu": round(res.decode_tok_s * bytes_per_token / bw, 4),
         "load_s": round(engine.load_s, 2),
     }
-    if hasattr(engine.backend, "bench_breakdown"):
+    if hasattr(engine.backend, "bench_breakdown") and temperature <= 0:  # the breakdown's variants decode greedily
         out["breakdown"] = engine.backend.bench_breakdown(prompt, min(tokens, 128))
     return out
 
@@ -63,7 +68,7 @@ def format_bench(r: dict) -> str:
     lines = [
         f"model {r['model']} on {r['backend']} ({r['device']})",
         f"prefill: {r['prompt_tokens']} tokens, TTFT {r['ttft_ms']:.1f} ms",
-        f"decode:  {r['generated_tokens']} tokens at {r['decode_tok_s']:.1f} tok/s",
+        f"decode:  {r['generated_tokens']} tokens at {r['decode_tok_s']:.1f} tok/s ({r.get('sampling', 'greedy')})",
         f"bytes/token: weights {r['weight_bytes_per_token'] / 1e9:.3f} GB ({r['weight_dtype']}), "
         f"KV {r['kv_bytes_per_token_mid'] / 1e6:.2f} MB mid-run, {r['kv_bytes_per_token_end'] / 1e6:.2f} MB at the end",
         f"bandwidth: achieved {r['achieved_TBps']:.4f} TB/s of {r['copy_bandwidth_TBps']:.4f} TB/s copy "

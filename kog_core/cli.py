@@ -69,8 +69,12 @@ def cmd_run(args):
 
 def cmd_bench(args):
     from .bench import format_bench, run_bench
+    from .config import load_config
+    load_config(args.config, {"sampling": {"temperature": args.temperature, "top_k": args.top_k,
+                                           "top_p": args.top_p}})  # validate early (one-line errors)
     engine = _engine(args, progress=False)
-    print(format_bench(run_bench(engine, tokens=args.tokens, prompt_tokens=args.prompt_tokens)))
+    print(format_bench(run_bench(engine, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)))
 
 
 def cmd_inspect(args):
@@ -152,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--tokens", type=int, default=512, help="tokens to generate (default 512)")
     p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0 measures sampled decoding")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass (1 = all)")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("inspect", help="print a model's decode program and bytes per token")

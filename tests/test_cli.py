@@ -72,6 +72,22 @@ def test_bench_on_the_cpu_ends_with_json():
     assert out["generated_tokens"] == 8 and out["decode_tok_s"] > 0 and 0 < out["mbu"] < 2
 
 
+def test_bench_sampled_decoding_says_so():
+    r = kog("bench", "--model", "smollm2-135m", "--random-weights", "--tokens", "8", "--prompt-tokens", "4",
+            "--backend", "reference", "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["generated_tokens"] == 8 and out["sampling"] == "temperature 0.8, top-k 40, top-p 0.9"
+    assert "(temperature 0.8, top-k 40, top-p 0.9)" in r.stdout
+
+
+def test_bench_rejects_a_bad_top_p_in_one_line():
+    r = kog("bench", "--model", "smollm2-135m", "--random-weights", "--backend", "reference", "--temperature", "1",
+            "--top-p", "1.5")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "top_p" in r.stderr
+
+
 def test_run_json_and_stdin(demo_gguf):
     r = kog("run", "--model", str(demo_gguf), "--json", "-n", "12", stdin="What is the capital of France?")
     assert r.returncode == 0, r.stderr

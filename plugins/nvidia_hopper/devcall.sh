@@ -4,7 +4,8 @@
 #   setupold   also install .whl_old's kog (a baseline build) beside it; SITE=/tmp/site_old picks it
 #   smolpart1  keep the SmolLM2 GGUF's first half (.devcarry/smol/part.aa) in /root/smol for the next call
 #   check      selfcheck, then the GPU tests (SmolLM2 too when both GGUF halves are there)
-#   bench      `kog bench` for the three presets, default build, with the breakdown
+#   bench      `kog bench` for the three presets (MODELS), default build, with the breakdown (BENCH_ARGS:
+#              more `kog bench` arguments, e.g. "--temperature 1 --top-p 0.9"; LOGTAG: a log name prefix)
 #   variants   bench-2b under tuning variants (VARIANTS: KOG_HOPPER_* settings, comma-joined per variant)
 #   peer       the torch peer (.devcarry/torch_peer.py) for the same shapes
 #   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
@@ -37,7 +38,7 @@ check)
 bench)
   export PYTHONPATH=${SITE:-/tmp/site}
   for m in ${MODELS:-bench-2b llama-3.2-1b laneformer-2b}; do
-    timeout 120 python3 -m kog_core.cli bench --backend nvidia_hopper --model $m --random-weights --context-length 4096 > $OUT/kb_${LOGTAG:-}$m.log 2>&1
+    timeout 120 python3 -m kog_core.cli bench --backend nvidia_hopper --model $m --random-weights --context-length 4096 ${BENCH_ARGS:-} > $OUT/kb_${LOGTAG:-}$m.log 2>&1
     echo "== $m rc=$?"; grep -E "^(decode|bandwidth|prefill|kernel)|us/token|Error|error" $OUT/kb_${LOGTAG:-}$m.log | cut -c1-200
   done ;;
 variants)
