@@ -244,11 +244,11 @@ class HopperBackend(KernelBackend):
             variant.update(S.attention_shape_consts(stages))
         if _env_int("KOG_HOPPER_STREAM_L2_FIRST", 1, lo=0, hi=1):
             variant["STREAM_L2_FIRST"] = 1
+        if self.tagged:  # TAG_DOWN (an experiment, session 9)
+            variant["TAG_DOWN"] = 1
         # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
         # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the
         # attention's divisions by its chunk count from a corrected float estimate)
-        if self.tagged:
-            variant["TAG_DOWN"] = 1
         for knob in ("NORM_RCP", "ATT_FASTDIV"):
             if _env_int(f"KOG_HOPPER_{knob}", 1, lo=0, hi=1):
                 variant[knob] = 1

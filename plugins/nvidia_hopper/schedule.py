@@ -373,7 +373,9 @@ def tag_pair_outputs(P, stages) -> list[str]:
         if nx.f["MV_IN"] != "@" + h or nx.f["MV_IN_MODE"] != 0:
             continue
         writes = [j for j, op in enumerate(P.ops) if h in op.outputs]
-        if writes.count(max(st.ops)) != 1 or not _readers(P.ops, max(st.ops), h) or not set(_readers(P.ops, max(st.ops), h)) <= set(nx.ops):
+        last = max(st.ops)  # the SwiGLU op, which writes h
+        readers = _readers(P.ops, last, h)
+        if last not in writes or not readers or not set(readers) <= set(nx.ops):
             continue
         pairs.append((st, nx, h, len(writes)))
     tagged = sorted({h for _, _, h, _ in pairs})

@@ -205,10 +205,10 @@ __device__ __forceinline__ const i64* seg(const i64* st, int s) { return st + MV
 #endif
 
 // ATT_FASTDIV (the backend sets it by default since v18b; KOG_HOPPER_ATT_FASTDIV=0 for none): the
-// attention's divisions by its
-// run-time chunk count and size (tile -> chunk, kv head, lane) from a float reciprocal estimate,
-// corrected to the exact quotient: ~6 instructions instead of the ~25 of an integer division,
-// inlined at every site. Exact for 0 <= a < 2^20, 1 <= b < 2^20 (the estimate is off by at most one).
+// attention's divisions by its run-time chunk count and size (tile -> chunk, kv head, lane) from a
+// float reciprocal estimate, corrected to the exact quotient: ~6 instructions instead of the ~25
+// of an integer division, inlined at every site. Exact for 0 <= a < 2^20, 1 <= b < 2^20 (the
+// estimate is off by at most one).
 #ifndef ATT_FASTDIV
 #define ATT_FASTDIV 0
 #endif
@@ -501,11 +501,10 @@ __device__ __forceinline__ float4 ldcg4_volatile(const float4* p) {  // re-read 
 }
 
 // NORM_RCP (the backend sets it by default since v18b; KOG_HOPPER_NORM_RCP=0 for the division):
-// the normalise pass divides by d through
-// d's correctly rounded reciprocal r and one FMA residual (Markstein): q = x r, x / d = q + (x - q d) r,
-// rounded once; the correctly rounded quotient for normal operands, as the division gives, in 3
-// instructions instead of the division's inline fast path and slow-path check (24 divisions a
-// thread, ~6 KB of code run cold once a stage).
+// the normalise pass divides by d through d's correctly rounded reciprocal r and one FMA residual
+// (Markstein): q = x r, x / d = q + (x - q d) r, rounded once; the correctly rounded quotient for
+// normal operands, as the division gives, in 3 instructions instead of the division's inline fast
+// path and slow-path check (24 divisions a thread, ~6 KB of code on every normed stage's path).
 #ifndef NORM_RCP
 #define NORM_RCP 0
 #endif
@@ -965,10 +964,11 @@ __device__ __noinline__ void run_attention(Ctx& c) {
     float* partO = (float*)st[AT_PART_O];
     float* partML = (float*)st[AT_PART_ML];
 
+    int tk = -1;  // the block's tiles so far (trace stamps: its first and second tile)
     for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        ++tk;
         int ch, g, l;
         att_tile(t, nch, Hkv, ch, g, l);
-        const int tk = (t - (int)blockIdx.x) / (int)gridDim.x;  // the block's tile count so far (trace stamps)
         if (tk == 1) TMARK(c, 20);  // the second tile's start (field 0 is the stage's entry)
         const int p0 = start + ch * csz, p1 = min(p0 + csz, pos + 1);
         const int nsub = (p1 - p0 + ATT_SUB - 1) / ATT_SUB;
