@@ -504,6 +504,20 @@ def test_tag_down_build_compiles_and_leaves_the_default_alone():
     assert len(default) < len(cubin)
 
 
+def test_sample_radix_build_compiles_with_warp_match_and_reduce():
+    """KOG_HOPPER_SAMPLE_RADIX=1 (an experiment, off): no spills; the histograms are filled through
+    match.any + redux.sync (one shared atomic per distinct bin); the default build has neither."""
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.cuda_util import source
+    cubin, log, rep = _compile(**DEFAULT, SAMPLE_RADIX=1)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert "match.any.sync" in source(S.header(dict(DEFAULT, SAMPLE_RADIX=1)))
+    assert S.sample_radix_smem() == 256 * 12 + 32 + 4 * S.CONSTS["SAMPLE_CAP"]
+    default, _, _ = _compile(**DEFAULT)
+    assert default != cubin
+
+
 def test_attention_shape_constants_for_bench_2b_and_none_when_stages_differ():
     """KOG_HOPPER_SHAPE_CONSTS=1: bench-2b's attention stages share one shape, which becomes the
     ATC_* constants; stages that differ give none (the descriptor fields stay in use)."""

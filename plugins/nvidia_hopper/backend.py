@@ -183,6 +183,12 @@ class HopperBackend(KernelBackend):
         # TAG_DOWN (an experiment, session 9, not yet run on the GPU): down_proj takes its input
         # when the values carry this write's parity, instead of after gate/up's completion count
         self.tagged = S.tag_pair_outputs(program, stages) if _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1) else []
+        # SAMPLE_RADIX (an experiment, session 9, not yet run on the GPU): sampled decoding's top-k,
+        # top-p and draw by a radix select in the sample stage's shared scratch
+        self.sample_radix = _env_int("KOG_HOPPER_SAMPLE_RADIX", 0, lo=0, hi=1)
+        for st in stages:
+            if st.type == "sample" and self.sample_radix:
+                st.smem = max(st.smem, S.sample_radix_smem())
         # decode.cu NORM_SMEM (default since v17, +0.5%): the norm weights a stage preloads before
         # its wait go to shared memory by cp.async instead of local memory
         self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 1, lo=0, hi=1)
@@ -246,6 +252,8 @@ class HopperBackend(KernelBackend):
             variant["STREAM_L2_FIRST"] = 1
         if self.tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
+        if self.sample_radix:
+            variant["SAMPLE_RADIX"] = 1
         # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
         # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the
         # attention's divisions by its chunk count from a corrected float estimate)

@@ -50,6 +50,7 @@ CONSTS = dict(
     NSLOT=NSLOT, SEG_STRIDE=SEG_STRIDE,
     ST_MATVEC=1, ST_ATTN=2, ST_EW=3, ST_SAMPLE=4,
     ATT_SUB=32,  # attention: positions per shared-memory K/V sub-chunk
+    SAMPLE_CAP=2048,  # sampling (SAMPLE_RADIX): candidates listed in shared memory once that few
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
     MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
@@ -340,6 +341,12 @@ def _attn_stage(P, ops, idxs, nb, nt, kv_bufs=2):
     sub = CONSTS["ATT_SUB"]
     st.smem = (2 * G * hd + 2 * hd + G * sub) * 4 + nt * 8 * 4 + kv_bufs * 2 * sub * (hd + 8) * 2 + 64
     return st
+
+
+def sample_radix_smem() -> int:
+    """Shared scratch of the sample stage under decode.cu SAMPLE_RADIX: two 256-bin histograms (u64
+    masses, u32 counts), 4 u64 of state, the candidate list."""
+    return 256 * 8 + 256 * 4 + 4 * 8 + CONSTS["SAMPLE_CAP"] * 4
 
 
 def allow_attention_chunks(st: Stage, maxch: int, nt: int) -> None:

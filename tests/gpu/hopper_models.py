@@ -32,8 +32,9 @@ def bf16_round(w: dict) -> dict:
     return {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in w.items()}
 
 
-def model(name: str, seed: int = 0, context: int = 512):
-    arch = Llama(SMALL[name])
+def model(name: str, seed: int = 0, context: int = 512, **overrides):
+    """A small random checkpoint; `overrides` change its config (e.g. a larger vocabulary)."""
+    arch = Llama(dict(SMALL[name], **overrides))
     prog = arch.lower(context_length=context, kv_dtype="bf16")
     weights = bf16_round(arch.random_weights(seed))
     return arch, prog, weights

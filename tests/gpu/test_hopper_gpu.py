@@ -81,6 +81,24 @@ def test_greedy_128_equals_reference(name):
 
 def test_sampling_is_seeded_and_matches_cpu_definition():
     arch, prog, w, ref, hb = _get("llama")
+    _assert_sampling_seeded_and_as_defined(hb)
+
+
+@pytest.mark.parametrize("vocab", [1000, 40000])
+def test_radix_sampling_is_seeded_and_matches_cpu_definition(vocab, monkeypatch):
+    """KOG_HOPPER_SAMPLE_RADIX=1 (an experiment, session 9): the same checks on the radix select,
+    with a vocabulary that fits its shared-memory list at once and one that needs full passes."""
+    monkeypatch.setenv("KOG_HOPPER_SAMPLE_RADIX", "1")
+    arch, prog, w = model("llama", vocab_size=vocab)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("SAMPLE_RADIX") == 1
+        _assert_sampling_seeded_and_as_defined(hb)
+    finally:
+        hb.close()
+
+
+def _assert_sampling_seeded_and_as_defined(hb):
     prompt = [1, 2, 3, 4]
     for params in (SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1234),
                    SamplingParams(temperature=1.3, seed=99),
