@@ -28,14 +28,19 @@ def _compile(**variant):
     return cubin, log, ptxas_report(log)
 
 
+def _bench2b_program():
+    """bench-2b's decode program at a 4,096-token context with a bf16 KV cache (the benchmarks')."""
+    from kog_moe_standard_tp.llama import Llama
+    from kog_moe_standard_tp.presets import BENCH_2B
+    return Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+
+
 def _bench2b_stages_as_loaded():
     """bench-2b's stages as HopperBackend.load has them when it sizes the ring (default build: 10
     consumer warps, one K/V buffer, the attention's chunks combined in the attention stage, matvecs
     finalized). Fresh every call: _ring_slots writes each stage's smem."""
-    from kog_moe_standard_tp.llama import Llama
-    from kog_moe_standard_tp.presets import BENCH_2B
     from kog_nvidia_hopper import schedule as S
-    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    prog = _bench2b_program()
     stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1)
     for st in stages:
         if st.type == "matvec":
@@ -61,10 +66,8 @@ def test_zero_spills(compiled):
 
 
 def test_lowering_fuses_llama_layers():
-    from kog_moe_standard_tp.llama import Llama
-    from kog_moe_standard_tp.presets import BENCH_2B
     from kog_nvidia_hopper import schedule as S
-    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    prog = _bench2b_program()
     stages = S.lower(prog, 132)
     # per layer: qkv (+norm), attention (+rope, kv append), o_proj (+residual), gate/up/swiglu (+norm), down (+residual)
     assert len(stages) == 5 * 26 + 2
@@ -342,10 +345,8 @@ def test_twelve_consumer_warps_compile_at_128_registers():
 def test_single_kv_buffer_frees_shared_memory_for_the_ring():
     """KOG_HOPPER_KV_BUFFERS=1: the attention stage needs one K/V sub-chunk buffer less (so bench-2b's
     scratch drops from 50.5 to 33 KB and 31 KB slots give a 6-slot ring), and the kernel compiles."""
-    from kog_moe_standard_tp.llama import Llama
-    from kog_moe_standard_tp.presets import BENCH_2B
     from kog_nvidia_hopper import schedule as S
-    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    prog = _bench2b_program()
     two, one = (max(st.smem for st in S.lower(prog, 132, S.NT, kb) if st.type == "attn") for kb in (2, 1))
     assert two - one == 2 * 32 * (128 + 8) * 2 and one < 34 * 1024
     cubin, _, rep = _compile(NT=384, KV_BUFS=1)
@@ -473,10 +474,8 @@ def test_tag_down_marks_each_gate_up_and_down_pair_with_alternating_writes():
     """KOG_HOPPER_TAG_DOWN=1: bench-2b's 26 gate/up stages write the one shared SwiGLU buffer with
     parity tags, write k of 26 a token, and each down_proj reads the write just before it; nothing
     else is tagged. A reader with a norm (not a plain row) is never tagged."""
-    from kog_moe_standard_tp.llama import Llama
-    from kog_moe_standard_tp.presets import BENCH_2B
     from kog_nvidia_hopper import schedule as S
-    prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+    prog = _bench2b_program()
     stages = _bench2b_stages_as_loaded()
     assert S.tag_pair_outputs(prog, stages) == ["act"]
     out = [i for i, st in enumerate(stages) if st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_OUT"]]
@@ -602,9 +601,7 @@ def test_x_scratch_matches_the_stream_plan(model):
     from kog_core.plugins import load_registry
     from kog_nvidia_hopper import schedule as S
     if model == "bench-2b":
-        from kog_moe_standard_tp.llama import Llama
-        from kog_moe_standard_tp.presets import BENCH_2B
-        prog = Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
+        prog = _bench2b_program()
     else:
         from gpu.hopper_models import LANEFORMER_SMALL
         arch = resolve_factory(load_registry().architectures["laneformer"].factory)(LANEFORMER_SMALL["laneformer-replicate"])
