@@ -53,6 +53,22 @@ def compiled():
     return _compile(**DEFAULT)
 
 
+def test_kernel_source_splices_every_concern_file_once():
+    """decode.cu includes its .cuh files (one concern each); the spliced source has none left, and
+    each stage kind's entry point comes from its own file."""
+    import re
+    from kog_nvidia_hopper.cuda_util import KERNEL_DIR, kernel_source
+    top = (KERNEL_DIR / "decode.cu").read_text()
+    names = re.findall(r'^#include "([\w.]+\.cuh)"', top, flags=re.M)
+    assert names[0] == "ring.cuh" and len(names) == len(set(names)) == 9
+    spliced = kernel_source("decode.cu")
+    assert "#include" not in spliced
+    for name, entry in (("matvec.cuh", "run_matvec"), ("attention.cuh", "run_attention"),
+                        ("elementwise.cuh", "run_ew"), ("sample.cuh", "run_sample"), ("stream.cuh", "produce")):
+        assert f"void {entry}(" in (KERNEL_DIR / name).read_text()
+        assert all(f"void {entry}(" not in (KERNEL_DIR / other).read_text() for other in names if other != name)
+
+
 def test_kernel_compiles_for_sm90a(compiled):
     cubin, log, rep = compiled
     assert cubin[:4] == b"\x7fELF"

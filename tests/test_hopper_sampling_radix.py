@@ -1,4 +1,4 @@
-"""The radix select of decode.cu SAMPLE_RADIX, emulated step for step in numpy: 8-bit bins of the
+"""The radix select of kernels/sample.cuh (SAMPLE_RADIX), emulated step for step in numpy: 8-bit bins of the
 64-bit candidate key (float order of z, then lower index), MSB first, fixed-point masses (p 2^40),
 bins without candidates never chosen, the lowest candidate when a target is never reached, targets
 as the float32 products of kog_core/sampling.py. Checked against a full sort on the same fixed
@@ -11,7 +11,7 @@ import numpy as np
 from kog_core.interfaces import SamplingParams
 from kog_core.sampling import philox_uniform, sample_token
 
-ONE = 2.0 ** 40  # decode.cu fixed_mass
+ONE = 2.0 ** 40  # sample.cuh fixed_mass
 
 
 def fkey(z):
@@ -36,7 +36,7 @@ def mass_f32(m):
 
 
 def radix_select(keys, w, floor, kind, target):
-    """decode.cu radix_select (without its shared-memory list, which changes where candidates are
+    """sample.cuh radix_select (without its shared-memory list, which changes where candidates are
     read from, not which)."""
     cand = keys >= np.uint64(floor)
     prefix, above = 0, 0

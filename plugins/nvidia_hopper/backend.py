@@ -113,7 +113,7 @@ class HopperBackend(KernelBackend):
         # attention K/V sub-chunk buffers: 1 by default leaves 17 KB more shared memory to the weight ring
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs)
-        # attention tiles to aim for (decode.cu att_chunks; default one per block): fewer, longer
+        # attention tiles to aim for (attention_plan.cuh att_chunks; default one per block): fewer, longer
         # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8);
         # more than one per block gives blocks a second tile, whose code has just run (the trace
         # build stamps it: instruction fetch, cold against hot)
@@ -189,7 +189,7 @@ class HopperBackend(KernelBackend):
         for st in stages:
             if st.type == "sample" and self.sample_radix:
                 st.smem = max(st.smem, S.sample_radix_smem())
-        # decode.cu NORM_SMEM (default since v17, +0.5%): the norm weights a stage preloads before
+        # matvec.cuh NORM_SMEM (default since v17, +0.5%): the norm weights a stage preloads before
         # its wait go to shared memory by cp.async instead of local memory
         self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 1, lo=0, hi=1)
         slot_bytes, plans, scratch = self._ring_slots(stages, item_rows)
@@ -203,7 +203,7 @@ class HopperBackend(KernelBackend):
                 att_next = (si + 1 < len(stages) and stages[si + 1].type == "attn"
                             and _env_int("KOG_HOPPER_ATT_PREFETCH", 0, lo=0, hi=1) == 1)  # measured no gain: off
                 streamed.append((si, plan, st.segs, st.f["MV_PACKED"], st.f["MV_FLAGS"], att_next))
-                if "_attn_stage" in st.f:  # its input combines the attention's chunks (decode.cu mv_load_attn)
+                if "_attn_stage" in st.f:  # its input combines the attention's chunks (matvec.cuh mv_load_attn)
                     if st.f["_attn_stage"] != si - 1:
                         raise KogError("nvidia_hopper: an attention combine must read the stage just before it")
                     st.f["MV_ATTN"] = self.d_desc + st.f["_attn_stage"] * S.NSLOT * 8
@@ -266,7 +266,7 @@ class HopperBackend(KernelBackend):
         self.d_trace = 0
         if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)
             variant["TRACE"] = 1
-            self.trace_shape = (4, len(stages), self.nb, 29)  # decode.cu TRACE_W
+            self.trace_shape = (4, len(stages), self.nb, 29)  # context.cuh TRACE_W
             self.d_trace = self._alloc(int(np.prod(self.trace_shape)) * 8)
         self.smem = scratch + nslots * slot_bytes
         self.variant = variant
@@ -296,7 +296,7 @@ class HopperBackend(KernelBackend):
     def _ring_slots(self, stages, item_rows):
         """The ring's slot size, every matvec stage's stream plan for it, and the shared memory the
         stages need before the ring (each matvec stage's `smem` is set here: its x rows, plus the
-        chunk weights when its loader combines the attention's chunks, decode.cu mv_load_attn).
+        chunk weights when its loader combines the attention's chunks, matvec.cuh mv_load_attn).
         KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
         into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
         notes, session 4). Returns (slot bytes, {stage: plan}, scratch bytes)."""
@@ -498,7 +498,7 @@ class HopperBackend(KernelBackend):
         return out
 
     def read_trace(self) -> np.ndarray:
-        """The last launch's timestamps [token, stage, block, 29] (decode.cu, TRACE builds)."""
+        """The last launch's timestamps [token, stage, block, 29] (context.cuh, TRACE builds)."""
         out = np.zeros(self.trace_shape, np.uint64)
         check(self.drv.cuMemcpyDtoH(out.ctypes.data, self.d_trace, out.nbytes), "cuMemcpyDtoH(trace)")
         return out

@@ -1,6 +1,6 @@
 """Where the kernel goes through local memory or the generic path, by source line.
 
-Compiles a build of kernels/decode.cu, disassembles the cubin with nvdisasm (line info) and
+Compiles a build of kernels/decode.cu (with its .cuh files spliced in), disassembles the cubin with nvdisasm (line info) and
 counts per source line:
   - local loads / stores (LDL / STL): spills, arrays whose address escapes, values behind a
     reference parameter of a noinline function. With 227 KB of shared memory taken, L1 is ~20 KB,
@@ -75,7 +75,7 @@ def report(variant: dict, top: int = 40) -> list[str]:
     total = sum(counts.values(), Counter())
     out = [f"ptxas: {ptxas_report(log)}",
            "instructions: " + ", ".join(f"{k} {total[k]}" for k in KINDS) + f" (of {sass.count(';')})",
-           f"{'line':>6s} {'LDL':>4s} {'STL':>4s} {'LD.E':>5s} {'ST.E':>5s}  source (decode.cu with its header)"]
+           f"{'line':>6s} {'LDL':>4s} {'STL':>4s} {'LD.E':>5s} {'ST.E':>5s}  source (decode.cu spliced, with its header)"]
     ranked = sorted(counts.items(), key=lambda kv: -(kv[1]["LDL"] + kv[1]["STL"] + kv[1]["LD.E"] + kv[1]["ST.E"]))
     for line, c in ranked[:top]:
         text = lines[line - 1].strip() if 0 < line <= len(lines) else ""

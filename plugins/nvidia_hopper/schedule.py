@@ -72,7 +72,7 @@ SUPPORTED_OPS = frozenset({"embed", "rmsnorm", "matvec", "rope", "kv_append", "a
 
 
 def header(variant: dict | None = None) -> str:
-    """The #defines shared with decode.cu; `variant` sets the ring (NSLOTS, SLOT_BYTES, RING_OFF)."""
+    """The #defines shared with the kernel (kernels/decode.cu and its .cuh files); `variant` sets the ring (NSLOTS, SLOT_BYTES, RING_OFF)."""
     variant = dict(variant or {})
     variant.setdefault("NT", NT)
     lines = [f"#define {k} {v}" for d in (SLOTS, CONSTS, RUN) for k, v in d.items()]
@@ -336,15 +336,15 @@ def _attn_stage(P, ops, idxs, nb, nt, kv_bufs=2):
                 f["AT_ROPE_K"] = style
     st = Stage("attn", f, ops=list(idxs), label="attention")
     st.f["_scratch"] = scratch
-    # decode.cu run_attention: q and running output [G][hd], new k and v [hd], scores [G][ATT_SUB],
-    # P.V partials (nt * 8 floats), kv_bufs buffers (decode.cu KV_BUFS) of K and V sub-chunks [ATT_SUB][hd + 8] bf16
+    # attention.cuh run_attention: q and running output [G][hd], new k and v [hd], scores [G][ATT_SUB],
+    # P.V partials (nt * 8 floats), kv_bufs buffers (attention.cuh KV_BUFS) of K and V sub-chunks [ATT_SUB][hd + 8] bf16
     sub = CONSTS["ATT_SUB"]
     st.smem = (2 * G * hd + 2 * hd + G * sub) * 4 + nt * 8 * 4 + kv_bufs * 2 * sub * (hd + 8) * 2 + 64
     return st
 
 
 def sample_radix_smem() -> int:
-    """Shared scratch of the sample stage under decode.cu SAMPLE_RADIX: two 256-bin histograms (u64
+    """Shared scratch of the sample stage under sample.cuh SAMPLE_RADIX: two 256-bin histograms (u64
     masses, u32 counts), 4 u64 of state, the candidate list."""
     return 256 * 8 + 256 * 4 + 4 * 8 + CONSTS["SAMPLE_CAP"] * 4
 
@@ -365,7 +365,7 @@ def allow_attention_chunks(st: Stage, maxch: int, nt: int) -> None:
 
 
 def tag_pair_outputs(P, stages) -> list[str]:
-    """decode.cu TAG_DOWN: a gate/up stage whose SwiGLU output only the next stage reads, as its
+    """matvec.cuh TAG_DOWN: a gate/up stage whose SwiGLU output only the next stage reads, as its
     plain input row (down_proj), writes it with a parity in each value's lowest mantissa bit
     (MVF_TAG_OUT); the reader (MVF_TAG_IN) waits on the stage before the pair instead and takes the
     row once every value carries the parity of this write. Consecutive writes of one buffer (layers
@@ -402,7 +402,7 @@ ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K
 
 
 def attention_shape_consts(stages) -> dict:
-    """decode.cu ATC_*: the attention's shapes as compile-time constants, when every attention
+    """attention_plan.cuh ATC_*: the attention's shapes as compile-time constants, when every attention
     stage has the same ones (a sliding window may differ: it stays a descriptor field); else {}."""
     shapes = {tuple(st.f[f"AT_{k}"] for k in ATTENTION_SHAPE_FIELDS) for st in stages if st.type == "attn"}
     if len(shapes) != 1:
@@ -541,7 +541,7 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     slot; the slices of a group are consecutive items, so a warp accumulates them in registers.
     Every item is one contiguous run of the stage's packed weights (pack_stage_weights), so the
     producer moves it with a single bulk copy.
-    Returns (int32 plan, bytes of x scratch). Layout: see decode.cu (PLAN_ITEMS)."""
+    Returns (int32 plan, bytes of x scratch). Layout: see stream.cuh (an item's header)."""
     K = int(st.f["MV_K"])
     max_rows = max_rows or 2 * nw
     per_block: list[list[tuple]] = [[] for _ in range(nb)]
@@ -597,7 +597,7 @@ def _k_cuts(chunks: int, max_chunks: int, kalign: int) -> list[int]:
     """Boundaries (in 8-column chunks) of a row group's k-slices: as few slices as fit
     max_chunks each. kalign = 1: equal slices. kalign = 32: boundaries on multiples of 32 chunks
     (256 columns) where that fits, so that every consumer lane has a chunk in every step of the
-    dot loop (decode.cu run_matvec: lane i takes chunks i, i + 32, ...); a slice of 85 chunks
+    dot loop (matvec.cuh run_matvec: lane i takes chunks i, i + 32, ...); a slice of 85 chunks
     takes 3 steps for 85/96 of the work."""
     if kalign > 1 and max_chunks >= kalign and chunks % kalign == 0:
         units, per = chunks // kalign, max_chunks // kalign
@@ -613,11 +613,11 @@ def plan_items(plan: np.ndarray, nb: int) -> np.ndarray:
     return np.concatenate([it[:, :1] & 3, it[:, :1] >> 2, it[:, 1:]], axis=1)
 
 
-SE_WORDS = 12  # uint32 per stream-list entry (decode.cu produce)
+SE_WORDS = 12  # uint32 per stream-list entry (stream.cuh produce)
 
 
 def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray]:
-    """The producer warps' copy lists (decode.cu `produce`) and the consumers' per-stage block info.
+    """The producer warps' copy lists (stream.cuh `produce`) and the consumers' per-stage block info.
 
     List: for every block, each item of each matvec stage in stage order, as 12 uint32: packed
     source address (lo, hi), bytes, flags (bit 0: the stage skips prompt positions, bit 1: it

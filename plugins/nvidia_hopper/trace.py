@@ -1,5 +1,5 @@
 """Where a token's time goes, stage by stage: a TRACE build of the kernel records globaltimer
-timestamps per (token, stage, block) for 4 tokens (decode.cu, "trace"); this script runs a
+timestamps per (token, stage, block) for 4 tokens (kernels/context.cuh, "trace"); this script runs a
 request on a preset with random weights and prints, per stage, how long its critical chain took
 and why (waiting for the previous stage, loading the input, the block's own work, the weight
 producer stalling on a full ring). The raw array is saved for a closer look.
@@ -15,7 +15,7 @@ import numpy as np
 
 
 def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
-    """Text report of a trace [token, stage, block, 29] (ns; fields: decode.cu "trace"). Times
+    """Text report of a trace [token, stage, block, 29] (ns; fields: context.cuh "trace"). Times
     are medians over the tokens.
     Per stage: chain = last block done - previous stage's last block done; lat = median block's
     wait end - previous last done (signal propagation); load/work = median block; spread = last

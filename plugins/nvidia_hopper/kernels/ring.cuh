@@ -61,7 +61,7 @@ __device__ __forceinline__ u64 gtimer() { u64 t; asm volatile("mov.u64 %0, %%glo
 
 __device__ __forceinline__ float bf_lo(u32 u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(u32 u) { return __uint_as_float(u & 0xffff0000u); }
-// 8 bf16 weights times x in the split layout of decode.cu (values 0-3 in a, 4-7 in b)
+// 8 bf16 weights times x in the split layout of matvec.cuh (values 0-3 in a, 4-7 in b)
 __device__ __forceinline__ float dot8s(uint4 w, float4 a, float4 b, float acc) {
     acc = fmaf(bf_lo(w.x), a.x, acc); acc = fmaf(bf_hi(w.x), a.y, acc);
     acc = fmaf(bf_lo(w.y), a.z, acc); acc = fmaf(bf_hi(w.y), a.w, acc);

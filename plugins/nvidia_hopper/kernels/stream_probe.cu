@@ -6,8 +6,8 @@
 // probe_ring: the decode kernel's scheme. The last warp is the producer: lane 0 fills a ring of
 // `nslots` shared-memory slots of `slot_bytes` with cp.async.bulk (each slot's copy cut into
 // `chunks` bulk copies on one mbarrier); the other warps consume every slot and release it
-// (one arrive per thread, as decode.cu). consume = 0: release at once; 1: a dot product of the
-// slot's bf16 values with an f32 vector in shared memory (decode.cu's inner loop). Every
+// (one arrive per thread, as the decode kernel). consume = 0: release at once; 1: a dot product of the
+// slot's bf16 values with an f32 vector in shared memory (matvec.cuh's inner loop). Every
 // `pause_every` items the consumers stop together for `pause_ns` (a stage boundary's cost);
 // pause_skew staggers the blocks' pauses (block b pauses b * pause_skew items earlier);
 // prefetch > 0: with each copy the producer asks L2 for the item `prefetch` places after it

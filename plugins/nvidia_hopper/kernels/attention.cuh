@@ -1,0 +1,349 @@
+// The attention stage: tiles of (lane, kv head, chunk of positions), K/V through shared memory,
+// online softmax, partials combined by the last tile. Part of the decode kernel: decode.cu includes
+// it (cuda_util.kernel_source splices it in, in order).
+
+// COMPACT_ATTENTION (an experiment, off; KOG_HOPPER_COMPACT_ATTENTION=1): the attention's loops
+// are not unrolled, so its code is smaller (600 instructions less). Measured 1.6% slower (perf
+// notes session 9): fewer bytes, but more instructions executed per step.
+#ifndef COMPACT_ATTENTION
+#define COMPACT_ATTENTION 0
+#endif
+#if COMPACT_ATTENTION
+#define ATT_LOOP _Pragma("unroll 1")
+#else
+#define ATT_LOOP
+#endif
+// Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that
+// the tiles roughly fill the grid; partial (m, l, o) go to a scratch buffer and the last tile
+// of a (lane, kv head) to finish (atomic ticket) combines them.
+__device__ __forceinline__ void rope_pair(float a, float b, float cs, float sn, float& oa, float& ob) {
+    oa = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+    ob = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+}
+// One head at float offset `off` of the stage scratch, rotated in place (called by one warp), with
+// this position's cos and sin rows at offset `tab` (att_issue_first copied them there before the
+// stage's wait). Offsets, not pointers: a pointer parameter is generic, and its loads and stores
+// would take the generic path instead of LDS / STS (sass_report). Noinline: inlined, it perturbs
+// the attention's register allocation into spills.
+__device__ __noinline__ void rope_vec(int off, int hd, int style, int tab) {
+#ifdef ATC_HD
+    hd = ATC_HD;  // a constant: the loop below unrolls to its exact (h2 / 32) steps
+#endif
+    float* v = smem_f() + off;
+    const float* cs = smem_f() + tab;
+    const int h2 = hd / 2;
+    ATT_LOOP
+    for (int k = 0; k < (h2 + 31) / 32; ++k) {  // a trip count, not `j < h2`: fixed when hd is
+        const int j = (threadIdx.x & 31) + 32 * k;
+        if (j >= h2) break;
+        int ia = style == 1 ? j : 2 * j, ib = style == 1 ? j + h2 : 2 * j + 1;
+        float oa, ob;
+        rope_pair(v[ia], v[ib], cs[j], cs[h2 + j], oa, ob);
+        v[ia] = oa; v[ib] = ob;
+    }
+}
+
+
+// K/V sub-chunk buffers of the attention (2: the next sub-chunk's copies overlap this one's math;
+// 1 leaves 17 KB more shared memory to the weight ring at hd = 128, schedule._attn_stage)
+#ifndef KV_BUFS
+#define KV_BUFS 2
+#endif
+// this thread's copies of every group but the KV_BUFS - 1 newest have landed
+__device__ __forceinline__ void cp_wait_kv() { asm volatile("cp.async.wait_group %0;" :: "n"(KV_BUFS - 1) : "memory"); }
+// this thread's groups but the KV_BUFS newest (the K/V sub-chunks after the RoPE rows) have landed
+__device__ __forceinline__ void cp_wait_rope() { asm volatile("cp.async.wait_group %0;" :: "n"(KV_BUFS) : "memory"); }
+
+// Positions [a, b) of one kv head's K and V rows -> shared memory rows of RS bf16 (hd + 8: the
+// pad keeps a warp's 16-byte reads of two rows on different banks); row `skip` (the new
+// position, written by this tile, not yet in the cache) is left out. Always commits a group.
+__device__ __forceinline__ void att_issue(u16* Kb, u16* Vb, const u16* kc, const u16* vc, int a, int b, int skip,
+                                          int hd, int RS) {
+    const int nd8 = hd >> 3;
+    const int n = (b - a) * nd8;
+    for (int i = threadIdx.x; i < n; i += NT) {
+        int r = i / nd8, c8 = i - r * nd8;
+        int p = a + r;
+        if (p == skip) continue;
+        cp_async16(Kb + r * RS + c8 * 8, kc + (i64)p * hd + c8 * 8);
+        cp_async16(Vb + r * RS + c8 * 8, vc + (i64)p * hd + c8 * 8);
+    }
+    cp_commit();
+}
+
+// Shared memory of the attention stage (schedule._attn_stage sizes it): q and running output
+// [G][hd], new key / value [hd], scores [G][ATT_SUB], P.V partials NT * 8 (before the loop: this
+// position's RoPE cos and sin rows), then the K/V buffers.
+__device__ __forceinline__ int att_red_off(const Ctx& c) {  // float offset of the P.V partials
+    const int G = AT_I(s_desc[c.dcur], H) / AT_I(s_desc[c.dcur], HKV), hd = AT_I(s_desc[c.dcur], HD);
+    return 2 * G * hd + 2 * hd + G * ATT_SUB;
+}
+__device__ __forceinline__ u16* att_kvbuf(const Ctx& c) {
+    return (u16*)(smem_f() + att_red_off(c) + NT * 8);
+}
+// Issue tile t's RoPE rows (one cp.async group, possibly empty) and first KV_BUFS K/V sub-chunks
+// (KV_BUFS groups). They depend on nothing in this token (the new position is left out; its tile
+// writes it), so the stage issues the first tile's before it waits for q: after the wait, RoPE
+// finds its tables landed instead of loading them (a second round trip after q's).
+__device__ void att_issue_first(const Ctx& c, int t) {
+    const i64* st = s_desc[c.dcur];
+    const int Hkv = AT_I(st, HKV), hd = AT_I(st, HD), T = AT_I(st, T);
+    if (AT_I(st, ROPE_Q) || AT_I(st, ROPE_K)) {  // cos then sin row of this position, h2 floats each
+        const int h2 = hd >> 1, tid = threadIdx.x;
+        float* tab = smem_f() + att_red_off(c);
+        if (tid < h2 / 2) {  // h2 / 4 float4 of each row (hd % 8 == 0)
+            const bool sn = tid >= h2 / 4;
+            const int i4 = sn ? tid - h2 / 4 : tid;
+            const float* src = (const float*)st[sn ? AT_SIN : AT_COS] + (i64)c.pos * h2;
+            cp_async16(tab + (sn ? h2 : 0) + 4 * i4, src + 4 * i4);
+        }
+    }
+    cp_commit();
+    int start, nch, csz;
+    att_chunks(st, c.pos, start, nch, csz);
+    int ch, g, l;
+    att_tile(t, nch, Hkv, ch, g, l);
+    const int p0 = start + ch * csz, p1 = min(p0 + csz, c.pos + 1);
+    const int nsub = (p1 - p0 + ATT_SUB - 1) / ATT_SUB;
+    const int skip = (st[AT_KNEW] != 0 && p1 == c.pos + 1) ? c.pos : -1;
+    const u16* kc = (const u16*)st[AT_KC] + ((i64)(l * Hkv + g) * T) * hd;
+    const u16* vc = (const u16*)st[AT_VC] + ((i64)(l * Hkv + g) * T) * hd;
+    const int RS = hd + 8;
+    u16* kvb = att_kvbuf(c);
+    for (int s = 0; s < KV_BUFS; ++s) {
+        u16* Kb = kvb + (s * 2) * ATT_SUB * RS;
+        if (s < nsub) att_issue(Kb, Kb + ATT_SUB * RS, kc, vc, p0 + s * ATT_SUB, min(p0 + (s + 1) * ATT_SUB, p1), skip, hd, RS);
+        else cp_commit();
+    }
+}
+__device__ __forceinline__ int att_ntiles(const Ctx& c) {
+    int start, nch, csz;
+    att_chunks(s_desc[c.dcur], c.pos, start, nch, csz);
+    return AT_I(s_desc[c.dcur], L) * AT_I(s_desc[c.dcur], HKV) * nch;
+}
+
+// Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that the
+// tiles roughly fill the grid. A tile streams its chunk's K/V through shared memory in
+// sub-chunks of ATT_SUB positions (cp.async, KV_BUFS in flight), with a running (online) softmax per
+// query head; partial (m, l, o) go to a scratch buffer and the last tile of a (lane, kv head) to
+// finish (atomic ticket) combines them. The chunk holding `pos` also applies RoPE to the new key
+// and writes the new K/V (bf16) into the cache.
+// INLINE_ATTENTION (the backend's default since v15): inlined, the attention's callee saves go
+// (kernel spills 196 -> 36 B; bench-2b +1.9%)
+#if INLINE_ATTENTION
+__device__ __forceinline__ void run_attention(Ctx& c) {
+#else
+__device__ __noinline__ void run_attention(Ctx& c) {
+#endif
+    const i64* st = s_desc[c.dcur];
+    const int L = AT_I(st, L), H = AT_I(st, H), Hkv = AT_I(st, HKV), hd = AT_I(st, HD);
+    const int T = AT_I(st, T), MAXCH = AT_I(st, MAXCH);
+    const int G = H / Hkv;
+    const float scale = fslot(st, AT_SCALE);
+    const int pos = c.pos;
+    int start, nch, csz;
+    att_chunks(st, pos, start, nch, csz);
+    const int ntiles = L * Hkv * nch;
+    const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
+    const int nd8 = hd >> 3, RS = hd + 8;
+    const bool combine = st[AT_NOCOMBINE] == 0;  // else the next matvec's loader combines the chunks
+    const int GH = G * hd;
+    // score mapping: lpr lanes per K row (power of two >= nd8), rpw rows per warp
+    int lpr = 1;
+    while (lpr < nd8) lpr <<= 1;
+    const int rpw = 32 / lpr, sr = ln / lpr, sc8 = ln % lpr;
+    // P.V mapping: thread = (group, head, 8 columns); NSPLIT groups split the positions
+    const int ncol = G * nd8, nsplit = NT / ncol;
+    // shared layout (schedule._attn_stage sizes it)
+    float* q = smem_f();                   // [G][hd] queries, rotated
+    float* kn = q + GH;                    // [hd] new key (rotated, bf16-rounded)
+    float* vn = kn + hd;                   // [hd] new value (bf16-rounded)
+    float* ob = vn + hd;                   // [G][hd] running output
+    float* sc = ob + GH;                   // [G][ATT_SUB] scores -> probabilities
+    float* red = sc + G * ATT_SUB;         // [nsplit][G][hd] P.V partials (NT * 8 floats); chunk (m, l) at combine
+    u16* kvb = att_kvbuf(c);               // [KV_BUFS][K, V][ATT_SUB][RS] bf16 (= red + NT * 8)
+    __shared__ float s_m[8], s_l[8], s_a[8];
+    __shared__ int s_last;
+    const int ropeq = AT_I(st, ROPE_Q), ropek = AT_I(st, ROPE_K);
+    const bool fused = st[AT_KNEW] != 0;
+    float* partO = (float*)st[AT_PART_O];
+    float* partML = (float*)st[AT_PART_ML];
+
+    int tk = -1;  // the block's tiles so far (trace stamps: its first and second tile)
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        ++tk;
+        int ch, g, l;
+        att_tile(t, nch, Hkv, ch, g, l);
+        if (tk == 1) TMARK(c, 20);  // the second tile's start (field 0 is the stage's entry)
+        const int p0 = start + ch * csz, p1 = min(p0 + csz, pos + 1);
+        const int nsub = (p1 - p0 + ATT_SUB - 1) / ATT_SUB;
+        const bool own = fused && p1 == pos + 1;
+        const int skip = own ? pos : -1;
+        u16* kc = (u16*)st[AT_KC] + ((i64)(l * Hkv + g) * T) * hd;
+        u16* vc = (u16*)st[AT_VC] + ((i64)(l * Hkv + g) * T) * hd;
+        // the cache rows first, KV_BUFS sub-chunks in flight (the first tile's were issued before the wait)
+        if (t != (int)blockIdx.x) att_issue_first(c, t);
+        // queries of this kv head's group, new key / value
+        const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * GH;
+        ATT_LOOP
+        for (int i = tid; i < GH; i += NT) { q[i] = ldf(qsrc + i); ob[i] = 0.f; }
+        if (own) {
+            const float* ks = (const float*)st[AT_KNEW] + (i64)l * Hkv * hd + (i64)g * hd;
+            const float* vs = (const float*)st[AT_VNEW] + (i64)l * Hkv * hd + (i64)g * hd;
+            ATT_LOOP
+            for (int i = tid; i < hd; i += NT) { kn[i] = ldf(ks + i); vn[i] = rbf(ldf(vs + i)); }
+        }
+        if (tid < 8) { s_m[tid] = -__int_as_float(0x7f800000); s_l[tid] = 0.f; }
+        cp_wait_rope();  // this thread's RoPE copies (att_issue_first) have landed; the barrier shows all
+        csync();
+        if (ropeq && warp < G) rope_vec(warp * hd, hd, ropeq, att_red_off(c));
+        if (own && ropek && warp == NW - 1) rope_vec(GH, hd, ropek, att_red_off(c));
+        csync();
+        TMARK_TILE(c, tk, 10, 21);
+        if (own) {
+            ATT_LOOP
+            for (int i = tid; i < hd; i += NT) {
+                u16 kb = f2bf(kn[i]);
+                kn[i] = bf2f(kb);
+                kc[(i64)pos * hd + i] = kb;
+                vc[(i64)pos * hd + i] = f2bf(vn[i]);
+            }
+        }
+        for (int s = 0; s < nsub; ++s) {
+            const int a = p0 + s * ATT_SUB, cnt = min(ATT_SUB, p1 - a);
+            u16* Kb = kvb + ((s % KV_BUFS) * 2) * ATT_SUB * RS;
+            u16* Vb = Kb + ATT_SUB * RS;
+            cp_wait_kv();  // this thread's copies of sub-chunk s have landed
+            if (own && pos >= a && pos < a + cnt) {  // braces: ATT_LOOP may be a pragma, not a statement
+                ATT_LOOP
+                for (int i = tid; i < hd; i += NT) { Kb[(pos - a) * RS + i] = f2bf(kn[i]); Vb[(pos - a) * RS + i] = f2bf(vn[i]); }
+            }
+            csync();
+            if (s == 0) TMARK_TILE(c, tk, 11, 22);
+            // scores: lpr lanes per K row, reduced by shuffles within the row's lanes
+            ATT_LOOP
+            for (int gi = 0; gi < G; ++gi) {
+                float4 qa = make_float4(0.f, 0.f, 0.f, 0.f), qb = qa;
+                if (sc8 < nd8) { qa = *(const float4*)(q + gi * hd + sc8 * 8); qb = *(const float4*)(q + gi * hd + sc8 * 8 + 4); }
+                ATT_LOOP
+                for (int j0 = warp * rpw; j0 < cnt; j0 += NW * rpw) {
+                    const int j = j0 + sr;
+                    float d = 0.f;
+                    if (j < cnt && sc8 < nd8) d = dot8s(*(const uint4*)(Kb + j * RS + sc8 * 8), qa, qb, 0.f);
+                    for (int o = lpr >> 1; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                    if (j < cnt && sc8 == 0) sc[gi * ATT_SUB + j] = d * scale;
+                }
+            }
+            csync();
+            if (s == 0) TMARK_TILE(c, tk, 16, 25);
+            // running softmax, one warp per query head
+            if (warp < G) {
+                float v = ln < cnt ? sc[warp * ATT_SUB + ln] : -__int_as_float(0x7f800000);  // ATT_SUB == 32
+                const float mo = s_m[warp];
+                const float mn = fmaxf(mo, warp_max(v));
+                const float e = ln < cnt ? expf(v - mn) : 0.f;
+                if (ln < cnt) sc[warp * ATT_SUB + ln] = e;
+                const float sum = warp_sum(e);
+                __syncwarp();  // every lane has read s_m[warp] before lane 0 replaces it
+                if (ln == 0) {
+                    const float al = expf(mo - mn);  // 0 on the first sub-chunk (mo = -inf)
+                    s_a[warp] = al;
+                    s_l[warp] = s_l[warp] * al + sum;
+                    s_m[warp] = mn;
+                }
+            }
+            csync();
+            if (s == 0) TMARK_TILE(c, tk, 17, 26);
+            // P.V partials
+            if (tid < nsplit * ncol) {
+                const int grp = tid / ncol, col = tid - grp * ncol, gi = col / nd8, d8 = col - gi * nd8;
+                float acc[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+                ATT_LOOP
+                for (int j = grp; j < cnt; j += nsplit) {
+                    const float pr = sc[gi * ATT_SUB + j];
+                    const uint4 w = *(const uint4*)(Vb + j * RS + d8 * 8);
+                    acc[0] = fmaf(pr, bf_lo(w.x), acc[0]); acc[1] = fmaf(pr, bf_hi(w.x), acc[1]);
+                    acc[2] = fmaf(pr, bf_lo(w.y), acc[2]); acc[3] = fmaf(pr, bf_hi(w.y), acc[3]);
+                    acc[4] = fmaf(pr, bf_lo(w.z), acc[4]); acc[5] = fmaf(pr, bf_hi(w.z), acc[5]);
+                    acc[6] = fmaf(pr, bf_lo(w.w), acc[6]); acc[7] = fmaf(pr, bf_hi(w.w), acc[7]);
+                }
+                float* rd = red + grp * GH + gi * hd + d8 * 8;
+                *(float4*)rd = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                *(float4*)(rd + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            }
+            csync();
+            if (s == 0) TMARK_TILE(c, tk, 18, 27);
+            ATT_LOOP
+            for (int i = tid; i < GH; i += NT) {
+                float o = 0.f;
+                ATT_LOOP
+                for (int k = 0; k < nsplit; ++k) o += red[k * GH + i];
+                ob[i] = ob[i] * s_a[i / hd] + o;
+            }
+            csync();  // buffer (s % KV_BUFS) and red are free again
+            if (s == 0) TMARK_TILE(c, tk, 19, 28);
+            if (s + KV_BUFS < nsub) att_issue(Kb, Vb, kc, vc, a + KV_BUFS * ATT_SUB, min(a + (KV_BUFS + 1) * ATT_SUB, p1), skip, hd, RS);
+            else cp_commit();
+        }
+        cp_wait_all();
+        TMARK_TILE(c, tk, 12, 23);
+        ATT_LOOP
+        for (int i = tid; i < GH; i += NT) {
+            const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
+            if (nch == 1 && combine) {
+                ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = ob[i] / s_l[gi];
+            } else {
+                partO[(((i64)l * H + h) * MAXCH + ch) * hd + d] = ob[i];
+                if (d == 0) {
+                    partML[(((i64)l * H + h) * MAXCH + ch) * 2] = s_m[gi];
+                    partML[(((i64)l * H + h) * MAXCH + ch) * 2 + 1] = s_l[gi];
+                }
+            }
+        }
+        TMARK_TILE(c, tk, 13, 24);
+        if (nch > 1 && combine) {
+            csync();
+            u32* ticket = (u32*)st[AT_TICKET] + l * Hkv + g;
+            if (tid == 0) {
+                __threadfence();
+                u32 k = atomicAdd(ticket, 1u);
+                s_last = (k == (u32)nch - 1);
+                if (s_last) { *ticket = 0u; __threadfence(); }
+            }
+            csync();
+            if (s_last) {
+                // (m, l) of every chunk into shared memory in parallel (red is free now), then combine
+                float* mls = red;
+                ATT_LOOP
+                for (int i = tid; i < G * nch; i += NT) {
+                    const int gi = att_div(i, nch), k = i - gi * nch;
+                    const float* ml = partML + (((i64)l * H + g * G + gi) * MAXCH + k) * 2;
+                    mls[i * 2] = ldf(ml);
+                    mls[i * 2 + 1] = ldf(ml + 1);
+                }
+                csync();
+                ATT_LOOP
+                for (int i = tid; i < GH; i += NT) {
+                    int gi = i / hd, d = i % hd;
+                    int h = g * G + gi;
+                    const float* ml = mls + gi * nch * 2;
+                    float M = -__int_as_float(0x7f800000);
+                    ATT_LOOP
+                    for (int k = 0; k < nch; ++k) M = fmaxf(M, ml[2 * k]);
+                    float num = 0.f, den = 0.f;
+                    const float* po = partO + (((i64)l * H + h) * MAXCH) * hd + d;
+                    ATT_LOOP
+                    for (int k = 0; k < nch; ++k) {
+                        float w = expf(ml[2 * k] - M);
+                        num = fmaf(w, __ldcg(po + (i64)k * hd), num);
+                        den = fmaf(w, ml[2 * k + 1], den);
+                    }
+                    ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = num / den;
+                }
+            }
+        }
+        csync();
+    }
+}

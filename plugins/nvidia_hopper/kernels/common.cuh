@@ -1,0 +1,78 @@
+// Small device helpers of the decode kernel: bf16 conversions, loads of data other blocks wrote,
+// the release / acquire counters, warp and block reductions, the consumers' barrier. Part of the
+// decode kernel: decode.cu includes it (cuda_util.kernel_source splices it in, in order).
+
+__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+__device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+
+// Data written inside the launch by other blocks: read at L2 (never a stale L1 line).
+__device__ __forceinline__ float ldf(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ i64 ldi64(const i64* p) {
+    i64 r;
+    asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_sys(const volatile u32* p) {
+    u32 v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+
+
+struct OpSum { template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
+struct OpMax { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+template <class T, class Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, OpSum()); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce(v, OpMax()); }
+
+// Barrier of the consumer threads only (the producer warp never joins).
+__device__ __forceinline__ void csync() {
+    asm volatile("bar.sync 1, %0;" :: "n"(NT) : "memory");
+}
+
+// Block-wide reductions (all consumer threads must call; result broadcast) through s_red (NW + 1
+// values; named here, not passed, so its accesses compile to LDS/STS).
+__shared__ float s_red[NW + 2];
+template <class T, class Op>
+__device__ __forceinline__ T block_reduce(T v, T identity, Op op) {
+    T* red = (T*)s_red;
+    v = warp_reduce(v, op);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    csync();
+    if (l == 0) red[w] = v;
+    csync();
+    if (w == 0) {
+        T t = l < NW ? red[l] : identity;
+        t = warp_reduce(t, op);
+        if (l == 0) red[NW] = t;
+    }
+    csync();
+    return red[NW];
+}
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, 0.f, OpSum()); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, -__int_as_float(0x7f800000), OpMax()); }
+__device__ __forceinline__ u32 block_count(u32 v) { return block_reduce(v, 0u, OpSum()); }

@@ -1,0 +1,58 @@
+// What every stage function gets: the trace build's timestamps, the stage context (Ctx) and the
+// wait on the previous stage's completion count. Part of the decode kernel: decode.cu includes it
+// (cuda_util.kernel_source splices it in, in order).
+
+// ------------------------------------------------------------------------------ trace
+// Built only with TRACE (KOG_HOPPER_TRACE, trace.py): per traced token, stage and block, TRACE_W
+// u64 (globaltimer ns): consumer 0 stage entered, 1 wait done, 2 input loaded, 3 done; producer
+// 4 stage reached, 5 last copy issued, 6 ns spent waiting for free slots; 7 SM id; 8 consumer ns
+// waiting for full slots; 9 release done; attention 10 q/k/v ready, 11 first K/V landed, 12 loop
+// done, 13 partials written; matvec input loader 14 thread 0's loads landed, 15 norm's sum done;
+// attention's first sub-chunk 16 scores, 17 softmax, 18 P.V partials, 19 their reduction done;
+// a block's second attention tile, whose code has just run (KOG_HOPPER_ATT_TILES above the block
+// count): 20 tile start, 21-24 as 10-13, 25-28 as 16-19. Cold against hot code, the same steps.
+#ifdef TRACE
+#define NTRACE 4
+#define TRACE_W 29
+__device__ __forceinline__ u64* trace_row(const i64* run, int it, int s, int nst) {
+    const int k = it - (int)run[R_TRACE_IT0];
+    if (!run[R_TRACE] || k < 0 || k >= NTRACE) return nullptr;
+    return (u64*)run[R_TRACE] + (((i64)k * nst + s) * gridDim.x + blockIdx.x) * TRACE_W;
+}
+#define TMARK(c, f) do { if ((c).tr && threadIdx.x == 0) (c).tr[f] = gtimer(); } while (0)
+// an attention stamp: field f on the block's first tile (tk 0), f2 on its second (tk 1)
+#define TMARK_TILE(c, tk, f, f2) do { if ((tk) == 0) TMARK(c, f); else if ((tk) == 1) TMARK(c, f2); } while (0)
+#else
+#define TMARK(c, f) do { } while (0)
+#define TMARK_TILE(c, tk, f, f2) do { (void)(tk); } while (0)
+#endif
+
+// ------------------------------------------------------------------------------ context
+// This stage's, the previous stage's and (arriving during this stage) the next stage's descriptors,
+// and this block's share of them (schedule.stream_list block info). Stage functions index s_desc
+// themselves (Ctx carries buffer numbers, not pointers): a pointer into it that travels through Ctx
+// is generic, and every descriptor read would be a generic load instead of an LDS.
+__shared__ __align__(16) i64 s_desc[3][NSLOT];
+__shared__ int4 s_blk[3];
+struct Ctx {
+#ifdef TRACE
+    u64* tr;
+#endif
+    int dcur, dprev;    // s_desc rows of this stage's and the previous stage's descriptors
+    int4 blk;           // this block's share of a matvec stage: items, first lane, lanes
+    const i64* stages;  // every stage's descriptor (global memory)
+    int start_pos;
+    i64* run;           // run parameters + state
+    float* logits_all;  // logits mode: one row per position (run[R_LOGITS_ALL])
+    int it, pos, tok, P, logits_mode, nst;
+    int skipmask;       // benchmark breakdown: stage kinds not executed
+};
+
+__device__ __forceinline__ float fslot(const i64* st, int i) { return __int_as_float((int)st[i]); }
+
+__device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {
+    if (threadIdx.x == 0 && target) {  // target 0: the breakdown's "no waits" (no load at all)
+        while (ld_acquire(ctr) < target) { }
+    }
+    csync();
+}

@@ -1,0 +1,375 @@
+// The matvec stage's consumer warps: the input row (embedding, norm, or the attention's chunks
+// combined), the dot products over the ring's items, the epilogue. Part of the decode kernel:
+// decode.cu includes it (cuda_util.kernel_source splices it in, in order).
+
+// ------------------------------------------------------------------------------ matvec
+// Segment s of a matvec stage: MV_SEG0 + s * SEG_STRIDE + field
+__device__ __forceinline__ const i64* seg(const i64* st, int s) { return st + MV_SEG0 + s * SEG_STRIDE; }
+
+// Stage input for the embedding mode: block 0 also writes the embedding row (the residual stream).
+__device__ void write_embedding(const Ctx& c) {
+    const i64* st = s_desc[c.dcur];
+    if (!((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0)) return;
+    const int K = (int)st[MV_K], L = (int)st[MV_L];
+    const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
+    float* out = (float*)st[MV_EMB_OUT];
+    for (int j = threadIdx.x; j < K * L; j += NT) out[j] = bf2f(tab[j % K]);
+}
+
+// Does this matvec stage run at token iteration `it`? (The producer's walk and the consumers'
+// must agree exactly: they count ring slots independently.)
+__device__ __forceinline__ bool mv_runs(const i64* st, int it, const Ctx& c) {
+    if ((int)st[S_TYPE] != ST_MATVEC) return false;
+    const int flags = (int)st[MV_FLAGS];
+    if ((flags & MVF_SKIP_PROMPT) && !c.logits_mode && it < c.P - 1) return false;
+    return !((c.skipmask >> ((flags & MVF_LOGITS) ? 5 : 1)) & 1);
+}
+
+// ---------------------------------------------------------------- matvec (consumer warps)
+// x of each lane the block touches, in shared memory at xs + (lane - first lane) * K, split in
+// halves so that a warp's 16-byte reads are conflict-free: chunk i (x[8i..8i+7]) has its first
+// four values at float4 i of the lower half and the last four at float4 i of the upper half.
+// x_f4: where float4 i4 of the row (x[4 i4 .. 4 i4 + 3]) lives: half (i4 & 1) of chunk i4 / 2.
+__device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
+    return (float4*)(x + ((i4 & 1) ? (K >> 1) : 0) + 4 * (i4 >> 1));
+}
+
+#define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
+                // (7 or 8, to load down's 8192 in one round trip at 10 warps, spill 84+ bytes)
+// X_CPASYNC (an experiment, off; KOG_HOPPER_X_CPASYNC=1): a stage's input row (not an embedding
+// row) comes by cp.async straight into shared memory: one round trip for any K (down's 8192 takes
+// two with XV 6 at 10 warps). Measured 13% slower (perf notes session 9).
+#ifndef X_CPASYNC
+#define X_CPASYNC 0
+#endif
+// NORM_SMEM (the backend sets it by default since v17; KOG_HOPPER_NORM_SMEM=0 for wpre): the norm
+// weights that a stage loads before its wait go to shared memory by cp.async (after the x rows)
+// instead of to wpre, which lives in local memory (6 LDL after the wait, sass_report); kept in
+// registers instead they cost 56 bytes of spills.
+#ifndef NORM_SMEM
+#define NORM_SMEM 0
+#endif
+
+// TAG_DOWN (an experiment, off; KOG_HOPPER_TAG_DOWN=1; schedule.tag_pair_outputs): readiness in
+// the data for down_proj's input. gate/up writes each SwiGLU value with a parity in its lowest
+// mantissa bit (MVF_TAG_OUT; consecutive writes of the buffer alternate, MV_TAG), and down_proj
+// (MVF_TAG_IN) waits on the stage before gate/up instead of gate/up itself, then re-reads each
+// float4 of its row until all four values carry this write's parity: the input loads are the poll,
+// so the boundary loses gate/up's release and the poll's round trip. A 32-bit store is single-copy
+// atomic, so a value read with the new parity is the new value. Safe to overwrite next layer: a
+// block writes the buffer again only after every block has finished this down_proj (the next
+// layer's qkv waits on its count). The parity costs the value its last mantissa bit.
+#ifndef TAG_DOWN
+#define TAG_DOWN 0
+#endif
+#if TAG_DOWN && X_CPASYNC
+#error "TAG_DOWN checks the input's parity on the register path only: not with X_CPASYNC"
+#endif
+__device__ __forceinline__ u32 tag_parity(const i64* st, int it) {
+    const u32 t = (u32)st[MV_TAG];  // this write's index k | writes a token n << 16: (it n + k) & 1
+    return ((u32)it * (t >> 16) + (t & 0xffffu)) & 1u;
+}
+__device__ __forceinline__ float with_parity(float v, u32 p) { return __uint_as_float((__float_as_uint(v) & ~1u) | p); }
+__device__ __forceinline__ bool has_parity(float4 v, u32 p) {
+    return (((__float_as_uint(v.x) ^ p) | (__float_as_uint(v.y) ^ p) | (__float_as_uint(v.z) ^ p) | (__float_as_uint(v.w) ^ p)) & 1u) == 0;
+}
+__device__ __forceinline__ float4 ldcg4_volatile(const float4* p) {  // re-read on every call (a spin)
+    float4 r;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+
+// NORM_RCP (the backend sets it by default since v18b; KOG_HOPPER_NORM_RCP=0 for the division):
+// the normalise pass divides by d through d's correctly rounded reciprocal r and one FMA residual
+// (Markstein): q = x r, x / d = q + (x - q d) r, rounded once; the correctly rounded quotient for
+// normal operands, as the division gives, in 3 instructions instead of the division's inline fast
+// path and slow-path check (24 divisions a thread, ~6 KB of code on every normed stage's path).
+#ifndef NORM_RCP
+#define NORM_RCP 0
+#endif
+__device__ __forceinline__ float div_by(float x, float d, float r) {
+    if (!NORM_RCP) return x / d;
+    const float q = __fmul_rn(x, r);
+    return fmaf(fmaf(-q, d, x), r, q);
+}
+
+// Loads are issued in batches of XV per thread before any is used: a loop of one load per
+// iteration costs a full L2 round trip per iteration (K = 8192: six) on every stage's critical path.
+// wpre: this thread's norm weights when the caller loaded them before its wait (null: load here).
+// (A pointer: wpre lives in local memory. Kept in registers instead, the kernel spills 56 bytes
+// elsewhere, in the attention and the stage loop.) nws (NORM_SMEM): the same weights copied by this
+// thread into shared memory with cp.async (null: not there); each thread reads only its own copies.
+__device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, const uint2* wpre, const u16* nws) {
+    const i64* st = s_desc[c.dcur];
+    const int K = (int)st[MV_K], K4 = K >> 2;
+    const int mode = (int)st[MV_IN_MODE];
+    const float* in = (const float*)st[MV_IN] + (i64)lane * K;
+    const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
+    const u16* nw = (const u16*)st[MV_NORM_W] + lane * st[MV_NORM_WL];
+    const int tid = threadIdx.x;
+    const bool tagged = TAG_DOWN && ((int)st[MV_FLAGS] & MVF_TAG_IN);
+    const u32 par = tagged ? tag_parity(st, c.it) : 0u;
+    float ss = 0.f;
+    if (X_CPASYNC && !(mode & IN_EMBED)) {
+        // the row by cp.async: every float4 in flight at once whatever K (no registers held), and
+        // each thread then reads back only the float4s it copied itself (no barrier needed)
+        for (int i = tid; i < K4; i += NT) cp_async16(x_f4(x, K, i), (const float4*)in + i);
+        cp_commit();
+        cp_wait_all();
+        if (mode & IN_NORM)
+            for (int i = tid; i < K4; i += NT) {  // the same order of additions as the register path
+                const float4 v = *x_f4(x, K, i);
+                ss = fmaf(v.x, v.x, ss); ss = fmaf(v.y, v.y, ss); ss = fmaf(v.z, v.z, ss); ss = fmaf(v.w, v.w, ss);
+            }
+    } else {  // the register path: XV float4 per thread in flight, then stored
+        for (int base = 0; base < K4; base += XV * NT) {
+            float4 v[XV];
+#pragma unroll
+            for (int u = 0; u < XV; ++u) {
+                const int i = base + u * NT + tid;
+                if (i < K4) {
+                    if (mode & IN_EMBED) {
+                        const uint2 e = *(const uint2*)(tab + 4 * i);
+                        v[u] = make_float4(bf_lo(e.x), bf_hi(e.x), bf_lo(e.y), bf_hi(e.y));
+                    } else {
+                        v[u] = __ldcg((const float4*)in + i);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < XV; ++u) {
+                const int i = base + u * NT + tid;
+                if (i < K4) {
+                    *x_f4(x, K, i) = v[u];
+                    ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
+                    ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
+                }
+            }
+        }
+    }
+    if (TAG_DOWN && tagged) {  // TAG_DOWN: re-read this thread's stale float4s (a plain input: no norm sum)
+#pragma unroll 1
+        for (int i = tid; i < K4; i += NT) {
+            float4* p = x_f4(x, K, i);
+            float4 v = *p;
+            if (has_parity(v, par)) continue;
+            do { v = ldcg4_volatile((const float4*)in + i); } while (!has_parity(v, par));
+            *p = v;
+        }
+    }
+    TMARK(c, 14);  // thread 0's input loads landed
+    if (mode & IN_NORM) {
+        const float tot = block_sum(ss);  // includes the barrier
+        TMARK(c, 15);
+        const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));  // x / d * w, as the reference rounds
+        const float rd = 1.0f / d;  // NORM_RCP
+        if (NORM_SMEM && nws) cp_wait_all();
+        for (int base = 0; base < K4; base += XV * NT) {
+            uint2 w[XV];
+#pragma unroll
+            for (int u = 0; u < XV; ++u) {
+                const int i = base + u * NT + tid;
+                if (i < K4) w[u] = (NORM_SMEM && nws) ? *(const uint2*)(nws + 4 * i)
+                                 : wpre ? wpre[u] : *(const uint2*)(nw + 4 * i);
+            }
+#pragma unroll
+            for (int u = 0; u < XV; ++u) {
+                const int i = base + u * NT + tid;  // this thread stored float4 i above
+                if (i < K4) {
+                    float4* p = x_f4(x, K, i);
+                    float4 xv = *p;
+                    xv.x = div_by(xv.x, d, rd) * bf_lo(w[u].x); xv.y = div_by(xv.y, d, rd) * bf_hi(w[u].x);
+                    xv.z = div_by(xv.z, d, rd) * bf_lo(w[u].y); xv.w = div_by(xv.w, d, rd) * bf_hi(w[u].y);
+                    *p = xv;
+                }
+            }
+        }
+    }
+}
+
+// IN_ATTN: x of lane `lane` = the attention output, combined here from the attention's chunk
+// partials (m, l, o): x[h][d] = sum_k exp(m_k - M) o_k[d] / sum_k exp(m_k - M) l_k.
+// wk: H * MAXCH * 2 floats of shared memory for the chunk weights.
+__device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
+    const i64* at = s_desc[c.dprev];  // MV_ATTN: the attention is always the stage just before (fuse_attention_combine)
+    const int K = (int)s_desc[c.dcur][MV_K];
+    const int H = AT_I(at, H), hd = AT_I(at, HD), MAXCH = AT_I(at, MAXCH);
+    int start, nch, csz;
+    att_chunks(at, c.pos, start, nch, csz);
+    const float* ml = (const float*)at[AT_PART_ML] + (i64)lane * H * MAXCH * 2;
+    const float* po = (const float*)at[AT_PART_O] + (i64)lane * H * MAXCH * hd;
+    for (int i = threadIdx.x; i < H * nch; i += NT) {
+        const int h = att_div(i, nch), k = i - h * nch;
+        wk[2 * i] = ldf(ml + (h * MAXCH + k) * 2);
+        wk[2 * i + 1] = ldf(ml + (h * MAXCH + k) * 2 + 1);
+    }
+    csync();
+    for (int h = threadIdx.x; h < H; h += NT) {
+        float* w = wk + 2 * h * nch;
+        float M = -__int_as_float(0x7f800000);
+        for (int k = 0; k < nch; ++k) M = fmaxf(M, w[2 * k]);
+        float den = 0.f;
+        for (int k = 0; k < nch; ++k) { const float e = expf(w[2 * k] - M); w[2 * k] = e; den = fmaf(e, w[2 * k + 1], den); }
+        const float inv = 1.0f / den;
+        for (int k = 0; k < nch; ++k) w[2 * k] *= inv;
+    }
+    csync();
+    for (int i4 = threadIdx.x; i4 < (K >> 2); i4 += NT) {  // 4 values of one head (hd % 8 == 0)
+        const int i = 4 * i4, h = i / hd, d = i - h * hd;
+        const float* w = wk + 2 * h * nch;
+        const float4* o = (const float4*)(po + (i64)h * MAXCH * hd + d);
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k0 = 0; k0 < nch; k0 += 6) {  // 6 loads in flight before any is used (a rolled loop waits on each; 8 spill)
+            float4 v[6];
+#pragma unroll
+            for (int k = 0; k < 6; ++k)
+                if (k0 + k < nch) v[k] = __ldcg(o + (i64)(k0 + k) * (hd >> 2));
+#pragma unroll
+            for (int k = 0; k < 6; ++k) {
+                if (k0 + k >= nch) break;
+                const float wk_ = w[2 * (k0 + k)];
+                s.x = fmaf(wk_, v[k].x, s.x); s.y = fmaf(wk_, v[k].y, s.y); s.z = fmaf(wk_, v[k].z, s.z); s.w = fmaf(wk_, v[k].w, s.w);
+            }
+        }
+        *x_f4(x, K, i4) = s;
+    }
+}
+
+// Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
+// the item's k-slices in registers (a row group's slices are consecutive items of one block), and
+// writes its outputs after the last slice. Every consumer thread releases every slot (empty barrier: NT arrivals).
+// Item headers come with the data (slot_hdr) and the block's share from c.blk (shared memory):
+// no global read but the input (and the norm weights, read before the wait) on the critical path.
+__device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 wtarget) {
+    u32 q = q_io;  // a register copy: through the reference, every item re-read it from local memory
+    const i64* st = s_desc[c.dcur];
+    const int nb = gridDim.x;
+    const int nitems = c.blk.x, lane0 = c.blk.y, nl = c.blk.z;
+    const int K = (int)st[MV_K], K4 = K >> 2;
+    const int flags = (int)st[MV_FLAGS];
+    const int mode = (int)st[MV_IN_MODE];
+    const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
+    float* xs = smem_f();
+    __shared__ float s_best[NW];
+    __shared__ int s_bidx[NW];
+    uint2 wpre[XV];
+    const bool pre_norm = (mode & IN_NORM) && nl > 0 && K4 <= XV * NT;
+    // NORM_SMEM: after the x rows (schedule: the stage's scratch includes them; not with IN_ATTN,
+    // whose chunk weights sit there)
+    u16* nws = NORM_SMEM && pre_norm && !(mode & IN_ATTN) ? (u16*)(xs + nl * K) : nullptr;
+    if (pre_norm) {
+        const u16* nw = (const u16*)st[MV_NORM_W] + lane0 * st[MV_NORM_WL];
+#pragma unroll
+        for (int u = 0; u < XV; ++u) {
+            const int i = u * NT + tid;
+            if (i < K4) {
+                if (NORM_SMEM && nws) cp_async8(nws + 4 * i, nw + 4 * i);
+                else wpre[u] = *(const uint2*)(nw + 4 * i);
+            }
+        }
+        if (NORM_SMEM && nws) cp_commit();
+    }
+
+    wait_counter(wctr, wtarget);
+    TMARK(c, 1);
+    write_embedding(c);
+    const int nload = (c.skipmask >> 7) & 1 ? 0 : nl;  // benchmark bit 7: no input loads (garbage x)
+    for (int l = 0; l < nload; ++l) {
+        if (mode & IN_ATTN) {
+            mv_load_attn(c, lane0 + l, xs + l * K, xs + nl * K);
+            csync();  // the chunk weights are reused by the next lane
+        } else {
+            mv_load_x(c, lane0 + l, xs + l * K, pre_norm && l == 0 ? wpre : nullptr, l == 0 ? nws : nullptr);
+        }
+    }
+    csync();
+    TMARK(c, 2);
+
+#ifdef TRACE
+    u64 twait = 0;
+#endif
+    float best = -__int_as_float(0x7f800000);
+    int bidx = 0x7fffffff;
+    float acc0 = 0.f, acc1 = 0.f;
+    float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane 0)
+    for (int j = 0; j < nitems; ++j, ++q) {
+        const u32 slot = q % NSLOTS;
+#ifdef TRACE
+        const u64 tw = c.tr ? gtimer() : 0;
+#endif
+        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
+#ifdef TRACE
+        if (c.tr) twait += gtimer() - tw;
+#endif
+        const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
+        const i64* sg = seg(st, h.x & 3);
+        const bool pair = sg[SEG_W2] != 0;
+        const int ra = pair ? warp : 2 * warp;            // row indices within the item
+        const int rb = pair ? h.w + warp : ra + 1;
+        const bool va = (pair ? warp : ra) < h.w, vb = pair ? va : rb < h.w;
+        const int lane = h.x >> 2;
+        const int r0 = h.z + ra, r1 = h.z + rb;
+        // epilogue inputs of the row group, read with its first slice and used after its last (a
+        // load's round trip grows with the bytes the ring has in flight: stream probe round 6)
+        const u16* bias = (const u16*)sg[SEG_BIAS];
+        const float* res = (const float*)sg[SEG_RES];
+        if ((g.z & IT_FIRST) && !pair && ln == 0 && va) {
+            if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]); }
+            if (res) { const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
+        }
+        if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; }
+        if (va) {
+            const int n8 = g.y >> 3;
+            const uint4* wa = (const uint4*)ring_slot(q) + ra * n8;
+            const uint4* wb = vb ? (const uint4*)ring_slot(q) + rb * n8 : wa;
+            const float4* xl = (const float4*)(xs + g.w) + (g.x >> 3);
+            const float4* xh = (const float4*)(xs + g.w + (K >> 1)) + (g.x >> 3);
+#pragma unroll 4
+            for (int i = ln; i < n8; i += 32) {
+                const uint4 a = wa[i], b = wb[i];
+                const float4 lo = xl[i], hi = xh[i];
+                acc0 = dot8s(a, lo, hi, acc0);
+                acc1 = dot8s(b, lo, hi, acc1);
+            }
+        }
+        // every consumer thread releases the slot itself: an arrive orders only its own thread's
+        // reads before the next bulk copy into the slot (a warp-level sync + one arrive does not)
+        mbar_arrive(&empty_bar[slot]);
+        if (!(g.z & IT_LAST)) continue;
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (ln != 0 || !va) continue;
+        float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
+        if ((flags & MVF_LOGITS) && c.logits_mode)
+            out = c.logits_all + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
+        if (pair) {
+            const float hv = acc0 / (1.0f + expf(-acc0)) * acc1;
+            out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
+            continue;
+        }
+        float y0 = acc0, y1 = acc1;
+        if (bias) { y0 += b0; if (vb) y1 += b1; }
+        if (res) { y0 += e0; if (vb) y1 += e1; }
+        out[r0] = y0;
+        if (vb) out[r1] = y1;
+        if (flags & MVF_ARGMAX) {  // NaN never wins; ties go to the lower index
+            if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
+            if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
+        }
+    }
+    q_io = q;
+#ifdef TRACE
+    if (c.tr && tid == 0) c.tr[8] = twait;
+#endif
+    if (flags & MVF_ARGMAX) {  // one (max, index) partial per block
+        if (ln == 0) { s_best[warp] = best; s_bidx[warp] = bidx; }
+        csync();
+        if (tid == 0) {
+            float b = s_best[0]; int bi = s_bidx[0];
+            for (int w = 1; w < NW; ++w)
+                if (s_best[w] > b || (s_best[w] == b && s_bidx[w] < bi)) { b = s_best[w]; bi = s_bidx[w]; }
+            ((float*)st[MV_ARGMAX])[blockIdx.x] = b;
+            ((int*)st[MV_ARGMAX])[nb + blockIdx.x] = bi;
+        }
+    }
+}

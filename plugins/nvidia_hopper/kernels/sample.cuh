@@ -1,0 +1,308 @@
+// The sample stage (block 0): greedy from the LM head's partials, or temperature / top-k / top-p
+// with the reference's Philox draw; then the stop check. Part of the decode kernel: decode.cu
+// includes it (cuda_util.kernel_source splices it in, in order).
+
+// ------------------------------------------------------------------------------ Philox
+__device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
+    u32 c0 = n, c1 = 0, c2 = 0, c3 = 0;
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+        k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+
+// ------------------------------------------------------------------------------ sampling
+// Block 0 only. Order of candidates: z descending, index ascending, encoded in one u64
+// comb = key(z) << 32 | ~index, so "prefix up to e" = {i : comb_i >= comb_e}.
+__device__ __forceinline__ u32 fkey(float f) {
+    u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// largest c such that f(c) holds, f monotone (true for small c), searching in [lo, hi]
+// kind 0: count(comb >= c) >= k ; kind 1: mass(comb >= c, comb >= cmin) >= target ; kind 2: > target
+__device__ u64 sample_search(const float* z, const float* p, int V, int kind, u32 k, float target,
+                             u64 cmin, u64 lo, u64 hi) {
+    while (lo < hi) {
+        u64 mid = lo + ((hi - lo) >> 1) + 1;  // hi > lo: no overflow
+        bool ok;
+        if (kind == 0) {
+            u32 cntv = 0;
+            for (int i = threadIdx.x; i < V; i += NT) {
+                u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
+                cntv += cb >= mid;
+            }
+            ok = block_count(cntv) >= k;
+        } else {
+            float s = 0.f;
+            u64 th = mid > cmin ? mid : cmin;
+            for (int i = threadIdx.x; i < V; i += NT) {
+                u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
+                if (cb >= th) s += p[i];
+            }
+            float m = block_sum(s);
+            ok = kind == 1 ? (m >= target) : (m > target);
+        }
+        if (ok) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+__device__ float mass_ge(const float* z, const float* p, int V, u64 th) {
+    float s = 0.f;
+    for (int i = threadIdx.x; i < V; i += NT) {
+        u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
+        if (cb >= th) s += p[i];
+    }
+    return block_sum(s);
+}
+
+// SAMPLE_RADIX (an experiment, off; KOG_HOPPER_SAMPLE_RADIX=1; written in session 9, not yet run on
+// the GPU): top-k, top-p and the draw by a radix select instead of binary searches. The binary
+// searches take 64 passes each over the vocabulary's z and p (~1 MB from L2 at 128k tokens);
+// the radix select takes 8 passes of 8 bits over the 64-bit key, and once the prefix leaves at
+// most SAMPLE_CAP candidates, lists them in shared memory and reads only those. Masses are summed
+// in fixed point (p 2^40, exact for p >= 2^-40: a power-of-two scale): integer sums are the same in
+// any order, so seeded runs stay deterministic with atomics; targets are the float32 products of
+// the CPU definition (kog_core/sampling.py), converted to the same fixed point. The algorithm is
+// checked against a full sort on the CPU (tests/test_hopper_compile.py, an emulation).
+#ifndef SAMPLE_RADIX
+#define SAMPLE_RADIX 0
+#endif
+// SAMPLE_CAP (schedule.CONSTS): candidates the radix select lists in the stage's shared scratch
+__device__ __forceinline__ u64 comb_of(const float* z, int i) {
+    return ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
+}
+__device__ __forceinline__ u64 fixed_mass(float p) { return (u64)(p * 1099511627776.0f); }  // p 2^40, truncated
+__device__ __forceinline__ float mass_f32(u64 m) { return __ull2float_rn(m) * (1.0f / 1099511627776.0f); }
+__device__ __forceinline__ u32 match_any(int v) {
+    u32 r;
+    asm volatile("match.any.sync.b32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ u32 redux_add(u32 mask, u32 v) {
+    u32 r;
+    asm volatile("redux.sync.add.u32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(mask));
+    return r;
+}
+// Adds v to bin b (b < 0: nothing) of the histograms, summed first over the warp's lanes with the
+// same bin: one shared atomic per distinct bin, not 32 on one address. Every lane must call.
+__device__ __forceinline__ void hist_add(u64* hist, u32* cnt, int b, u64 v) {
+    const u32 same = match_any(b);
+    if (b < 0) return;
+    // v < 2^41: three 20-bit parts, each summed over <= 32 lanes within 32 bits
+    const u32 s0 = redux_add(same, (u32)(v & 0xfffffu));
+    const u32 s1 = redux_add(same, (u32)((v >> 20) & 0xfffffu));
+    const u32 s2 = redux_add(same, (u32)(v >> 40));
+    if ((int)(threadIdx.x & 31) == __ffs(same) - 1) {
+        atomicAdd((unsigned long long*)&hist[b], (unsigned long long)(s0 + ((u64)s1 << 20) + ((u64)s2 << 40)));
+        atomicAdd(&cnt[b], (u32)__popc(same));
+    }
+}
+// The fixed-point mass of the candidates with key >= th (a deterministic block sum).
+__device__ __noinline__ u64 mass_fixed(const float* z, const float* p, int V, u64 th) {
+    u64* wsum = (u64*)smem_f();  // NW sums (the histograms' place; not in use between selects)
+    u64 s = 0;
+    for (int i = threadIdx.x; i < V; i += NT)
+        if (comb_of(z, i) >= th) s += fixed_mass(p[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    csync();
+    if ((threadIdx.x & 31) == 0) wsum[threadIdx.x >> 5] = s;
+    csync();
+    u64 t = 0;
+    for (int w = 0; w < NW; ++w) t += wsum[w];
+    csync();  // wsum may be reused right after
+    return t;
+}
+// The key of the element where a running total over the candidates (key >= floor) in descending
+// key order first reaches `target` (kind 0: counts >= target; 1: masses >= target; 2: masses >
+// target); the lowest candidate if it never does. MSB first, 8 bits a pass; bins without
+// candidates are never chosen.
+__device__ __noinline__ u64 radix_select(const float* z, const float* p, int V, int kind, u64 target, u64 floor) {
+    u64* hist = (u64*)smem_f();   // [256] counts or fixed-point masses of the next byte's bins
+    u32* cnt = (u32*)(hist + 256);  // [256] candidates per bin
+    u64* sel = (u64*)(cnt + 256);   // prefix, mass or count above it, candidates under it, list size
+    u32* list = (u32*)(sel + 4);    // [SAMPLE_CAP] the candidates under the prefix, once that few
+    const int tid = threadIdx.x;
+    u64 prefix = 0, above = 0;
+    int nlist = -1;  // -1: passes read the whole vocabulary
+    for (int pass = 0; pass < 8; ++pass) {
+        const int shift = 56 - 8 * pass;
+        for (int b = tid; b < 256; b += NT) { hist[b] = 0; cnt[b] = 0; }
+        csync();
+        const int n = nlist < 0 ? V : nlist;
+        for (int j0 = 0; j0 < n; j0 += NT) {  // every lane takes part in hist_add's warp primitives
+            const int j = j0 + tid;
+            int b = -1;
+            u64 v = 0;
+            if (j < n) {
+                const int i = nlist < 0 ? j : (int)list[j];
+                const u64 cb = comb_of(z, i);
+                if (cb >= floor && (pass == 0 || (cb >> (shift + 8)) == prefix)) {
+                    b = (int)(cb >> shift) & 255;
+                    v = kind == 0 ? 1ull : fixed_mass(p[i]);
+                }
+            }
+            hist_add(hist, cnt, b, v);
+        }
+        csync();
+        if (tid == 0) {
+            u64 acc = above, acc_last = above;
+            int chosen = -1, lastnz = -1;
+            for (int b = 255; b >= 0; --b) {
+                if (cnt[b] == 0) continue;
+                const u64 nx = acc + hist[b];
+                lastnz = b;
+                acc_last = acc;
+                if (kind == 2 ? nx > target : nx >= target) { chosen = b; break; }
+                acc = nx;
+            }
+            if (chosen < 0) { chosen = lastnz; acc = acc_last; }  // never reached: the lowest candidate
+            sel[0] = (prefix << 8) | (u64)chosen;
+            sel[1] = acc;
+            sel[2] = cnt[chosen];
+            sel[3] = 0;
+        }
+        csync();
+        prefix = sel[0];
+        above = sel[1];
+        if (pass < 7 && nlist < 0 && sel[2] <= SAMPLE_CAP) {  // few enough: list them (any order)
+            for (int i = tid; i < V; i += NT) {
+                const u64 cb = comb_of(z, i);
+                if (cb >= floor && (cb >> shift) == prefix) list[atomicAdd((u32*)&sel[3], 1u)] = (u32)i;
+            }
+            csync();
+            nlist = (int)sel[2];
+        }
+    }
+    csync();  // the scratch is free again
+    return prefix;
+}
+
+__device__ __noinline__ void run_sample(Ctx& c) {
+    const i64* st = s_desc[c.dcur];
+    i64* run = c.run;
+    if (blockIdx.x != 0) return;
+    const int tid = threadIdx.x;
+    __shared__ int s_tok;
+    if (c.logits_mode) {
+        if (tid == 0) { run[R_STOP] = (c.it >= c.P - 1) ? 1 : 0; }
+        return;
+    }
+    if (c.it < c.P - 1) {
+        if (tid == 0) run[R_STOP] = 0;
+        return;
+    }
+    const int n = c.it - (c.P - 1);  // generation step
+    const int V = (int)st[SM_V];
+    const float* logits = (const float*)st[SM_LOGITS];
+    const float temp = __int_as_float((int)run[R_TEMP]);
+    u32 cancel = 0;
+    if (tid == 0 && run[R_CANCEL]) cancel = ld_sys((const volatile u32*)run[R_CANCEL]);
+    if (temp <= 0.f) {
+        if (st[SM_ARGMAX]) {  // the LM head's (max, index) partials, one per block: one load each, then a tree
+            const int nt = (int)st[SM_NPART];
+            const float* bv = (const float*)st[SM_ARGMAX];
+            const int* bi = (const int*)st[SM_ARGMAX] + nt;
+            __shared__ float w_bv[NW]; __shared__ int w_bi[NW];
+            float b = -__int_as_float(0x7f800000); int idx = 0x7fffffff;
+            for (int j = tid; j < nt; j += NT) {
+                const float v = ldf(bv + j);
+                const int ixx = __float_as_int(ldf((const float*)(bi + j)));
+                if (v > b || (v == b && ixx < idx)) { b = v; idx = ixx; }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, b, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+                if (ov > b || (ov == b && oi < idx)) { b = ov; idx = oi; }
+            }
+            if ((tid & 31) == 0) { w_bv[tid >> 5] = b; w_bi[tid >> 5] = idx; }
+            csync();
+            if (tid == 0) {
+                for (int w = 1; w < NW; ++w)
+                    if (w_bv[w] > b || (w_bv[w] == b && w_bi[w] < idx)) { b = w_bv[w]; idx = w_bi[w]; }
+                s_tok = idx == 0x7fffffff ? 0 : idx;
+            }
+        } else {
+            __shared__ float s_bv[NT]; __shared__ int s_bi[NT];
+            float b = -__int_as_float(0x7f800000); int idx = 0x7fffffff;
+            for (int i = tid; i < V; i += NT) { float v = ldf(logits + i); if (v > b) { b = v; idx = i; } }
+            s_bv[tid] = b; s_bi[tid] = idx;
+            csync();
+            if (tid == 0) {
+                for (int j = 1; j < NT; ++j) if (s_bv[j] > b || (s_bv[j] == b && s_bi[j] < idx)) { b = s_bv[j]; idx = s_bi[j]; }
+                s_tok = idx == 0x7fffffff ? 0 : idx;
+            }
+        }
+        csync();
+    } else {
+        float* z = (float*)run[R_SCRATCH];
+        float* p = z + V;
+        float zm = -__int_as_float(0x7f800000);
+        for (int i = tid; i < V; i += NT) { float v = __fdiv_rn(ldf(logits + i), temp); z[i] = v; zm = fmaxf(zm, v); }
+        zm = block_max(zm);
+        for (int i = tid; i < V; i += NT) p[i] = expf(z[i] - zm);
+        csync();
+        int topk = (int)run[R_TOPK];
+        u64 cmin = 0;
+#if SAMPLE_RADIX  // the same steps on fixed-point masses (targets: float32 products, as the CPU)
+        const float topp = __int_as_float((int)run[R_TOPP]);
+        const u32 w = philox_w0((u64)run[R_SEED], (u32)n);
+        const float u = (float)(w >> 8) * (1.0f / 16777216.0f);
+        if (topk > 0 && topk < V) cmin = radix_select(z, p, V, 0, (u64)topk, 0);
+        u64 ckeep = cmin;
+        if (topp < 1.0f) {
+            const u64 total = mass_fixed(z, p, V, cmin);
+            const u64 cp = radix_select(z, p, V, 1, fixed_mass(__fmul_rn(topp, mass_f32(total))), cmin);
+            ckeep = cp > cmin ? cp : cmin;
+        }
+        const u64 kept = mass_fixed(z, p, V, ckeep);
+        const u64 ce = radix_select(z, p, V, 2, fixed_mass(__fmul_rn(u, mass_f32(kept))), ckeep);
+#else
+        if (topk > 0 && topk < V) cmin = sample_search(z, p, V, 0, (u32)topk, 0.f, 0, 0, ~0ull);
+        float total = mass_ge(z, p, V, cmin);
+        float topp = __int_as_float((int)run[R_TOPP]);
+        u64 ckeep = cmin;
+        if (topp < 1.0f) {
+            u64 cp = sample_search(z, p, V, 1, 0, topp * total, cmin, cmin, ~0ull);
+            ckeep = cp > cmin ? cp : cmin;
+        }
+        float kept = mass_ge(z, p, V, ckeep);
+        u32 w = philox_w0((u64)run[R_SEED], (u32)n);
+        float u = (float)(w >> 8) * (1.0f / 16777216.0f);
+        float tu = u * kept;
+        u64 ce = sample_search(z, p, V, 2, 0, tu, ckeep, ckeep, ~0ull);
+#endif
+        // ce is the comb of the chosen element (or ckeep: the last kept one)
+        if (tid == 0) s_tok = (int)(0xffffffffu - (u32)(ce & 0xffffffffu));
+        csync();
+    }
+    if (tid == 0) {
+        int tok = s_tok;
+        int stop = 0;
+        const int* stops = (const int*)run[R_STOPIDS];
+        for (int j = 0; j < (int)run[R_NSTOP]; ++j) if (stops[j] == tok) stop = 1;
+        if (n + 1 >= (int)run[R_MAXNEW]) stop = 1;
+        if (c.pos + 1 >= (int)run[R_CTX]) stop = 1;
+        if (cancel) stop = 2;
+        if (stop != 2) {
+            volatile int* ho = (volatile int*)run[R_HOST_OUT];
+            ho[n] = tok;
+            __threadfence_system();
+            volatile int* hc = (volatile int*)run[R_HOST_COUNT];
+            *hc = n + 1;
+            __threadfence_system();
+        }
+        run[R_TOK] = tok;
+        run[R_STOP] = stop;
+    }
+    csync();
+}
