@@ -42,7 +42,7 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
 
 class HopperBackend(KernelBackend):
     name = "nvidia_hopper"
-    tagged: list = []  # TAG_DOWN's tensors (load sets them)
+    tagged: dict = {}  # TAG_DOWN's tensors and their sizes (load sets them)
 
     def __init__(self, device: int = 0, **options):
         super().__init__(**options)
@@ -151,7 +151,6 @@ class HopperBackend(KernelBackend):
                 ptr[spec.name] = self._alloc(spec.numel * 4)
                 check(drv.cuMemsetD32(ptr[spec.name], 0, spec.numel), "cuMemsetD32")
         self.ptr = ptr
-        self.program_numel = {name: spec.numel for name, spec in program.tensors.items()}
         self.argmax_ptr = 0
         self.argmax_tiles = 0
 
@@ -182,7 +181,8 @@ class HopperBackend(KernelBackend):
                                   logits_numel=program.tensors[program.logits].numel)
         # TAG_DOWN (an experiment, session 9, not yet run on the GPU): down_proj takes its input
         # when the values carry this write's parity, instead of after gate/up's completion count
-        self.tagged = S.tag_pair_outputs(program, stages) if _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1) else []
+        tagged = S.tag_pair_outputs(program, stages) if _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1) else []
+        self.tagged = {name: program.tensors[name].numel for name in tagged}  # buffer -> floats
         # SAMPLE_RADIX (an experiment, session 9, not yet run on the GPU): sampled decoding's top-k,
         # top-p and draw by a radix select in the sample stage's shared scratch
         self.sample_radix = _env_int("KOG_HOPPER_SAMPLE_RADIX", 0, lo=0, hi=1)
@@ -384,8 +384,8 @@ class HopperBackend(KernelBackend):
             run[R["R_TRACE_IT0"]] = self.trace_it0
         check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
         check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
-        for name in self.tagged:  # TAG_DOWN: every value's parity bit says "not yet written" to write 0
-            check(drv.cuMemsetD32(self.ptr[name], 1, self.program_numel[name]), "cuMemsetD32(tagged)")
+        for name, numel in self.tagged.items():  # TAG_DOWN: every value's parity bit says "not yet written" to write 0
+            check(drv.cuMemsetD32(self.ptr[name], 1, numel), "cuMemsetD32(tagged)")
         self.cnt_view[0] = 0
         self.cancel_view[0] = 0
         args = ((self.d_desc, self.nst, self.d_counters, self.d_run),

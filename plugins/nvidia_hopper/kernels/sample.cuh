@@ -24,6 +24,9 @@ __device__ __forceinline__ u32 fkey(float f) {
     u32 u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+__device__ __forceinline__ u64 comb_of(const float* z, int i) {
+    return ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
+}
 
 // largest c such that f(c) holds, f monotone (true for small c), searching in [lo, hi]
 // kind 0: count(comb >= c) >= k ; kind 1: mass(comb >= c, comb >= cmin) >= target ; kind 2: > target
@@ -35,7 +38,7 @@ __device__ u64 sample_search(const float* z, const float* p, int V, int kind, u3
         if (kind == 0) {
             u32 cntv = 0;
             for (int i = threadIdx.x; i < V; i += NT) {
-                u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
+                u64 cb = comb_of(z, i);
                 cntv += cb >= mid;
             }
             ok = block_count(cntv) >= k;
@@ -43,7 +46,7 @@ __device__ u64 sample_search(const float* z, const float* p, int V, int kind, u3
             float s = 0.f;
             u64 th = mid > cmin ? mid : cmin;
             for (int i = threadIdx.x; i < V; i += NT) {
-                u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
+                u64 cb = comb_of(z, i);
                 if (cb >= th) s += p[i];
             }
             float m = block_sum(s);
@@ -57,7 +60,7 @@ __device__ u64 sample_search(const float* z, const float* p, int V, int kind, u3
 __device__ float mass_ge(const float* z, const float* p, int V, u64 th) {
     float s = 0.f;
     for (int i = threadIdx.x; i < V; i += NT) {
-        u64 cb = ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
+        u64 cb = comb_of(z, i);
         if (cb >= th) s += p[i];
     }
     return block_sum(s);
@@ -76,9 +79,6 @@ __device__ float mass_ge(const float* z, const float* p, int V, u64 th) {
 #define SAMPLE_RADIX 0
 #endif
 // SAMPLE_CAP (schedule.CONSTS): candidates the radix select lists in the stage's shared scratch
-__device__ __forceinline__ u64 comb_of(const float* z, int i) {
-    return ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
-}
 __device__ __forceinline__ u64 fixed_mass(float p) { return (u64)(p * 1099511627776.0f); }  // p 2^40, truncated
 __device__ __forceinline__ float mass_f32(u64 m) { return __ull2float_rn(m) * (1.0f / 1099511627776.0f); }
 __device__ __forceinline__ u32 match_any(int v) {
