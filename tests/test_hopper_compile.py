@@ -2,6 +2,8 @@
 checked), the program lowering fuses what it should, and the backend says 'no GPU' cleanly."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -22,10 +24,25 @@ MAX_REGISTERS = 168
 
 def _compile(**variant):
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
+    cubin, log, rep = _compile_once(tuple(sorted(variant.items())))
+    return cubin, log, dict(rep)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_once(variant: tuple):
+    """One NVRTC compile per build in this run (several tests compare against the default)."""
     from kog_nvidia_hopper import schedule
     from kog_nvidia_hopper.cuda_util import compile_cubin, ptxas_report, source
-    cubin, log = compile_cubin(source(schedule.header(variant)), use_cache=False)
+    cubin, log = compile_cubin(source(schedule.header(dict(variant))), use_cache=False)
     return cubin, log, ptxas_report(log)
+
+
+def _compile_clean(**variant):
+    """A build that compiles for sm_90a within the register bound and without any spills."""
+    cubin, log, rep = _compile(**variant)
+    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    return cubin, log, rep
 
 
 def _bench2b_program():
@@ -414,9 +431,7 @@ def test_noinline_attention_build_compiles():
 def test_compact_attention_experiment_compiles_smaller():
     """KOG_HOPPER_COMPACT_ATTENTION=1 (an experiment, off; 1.6% slower, session 9): the attention's
     loops are not unrolled; the build has no spills and fewer instructions than the default."""
-    cubin, log, rep = _compile(**DEFAULT, COMPACT_ATTENTION=1)
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    cubin, log, rep = _compile_clean(**DEFAULT, COMPACT_ATTENTION=1)
     default, _, _ = _compile(**DEFAULT)
     assert len(cubin) < len(default)
 
@@ -425,9 +440,7 @@ def test_compact_attention_experiment_compiles_smaller():
 def test_input_rows_by_cp_async_experiment_compiles(extra):
     """KOG_HOPPER_X_CPASYNC=1 (an experiment, off; 13% slower, session 9): a stage's input row by
     cp.async into shared memory; compiles without spills, alone and with the compact attention."""
-    cubin, log, rep = _compile(**DEFAULT, **extra)
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    cubin, log, rep = _compile_clean(**DEFAULT, **extra)
 
 
 def test_stream_probe_rounds_are_well_formed():
@@ -512,9 +525,7 @@ def test_tag_down_build_compiles_and_leaves_the_default_alone():
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.cuda_util import source
     consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
-    cubin, log, rep = _compile(**DEFAULT, **consts, TAG_DOWN=1)
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    cubin, log, rep = _compile_clean(**DEFAULT, **consts, TAG_DOWN=1)
     default, _, _ = _compile(**DEFAULT, **consts)
     assert len(default) < len(cubin)
 
@@ -524,9 +535,7 @@ def test_sample_radix_build_compiles_with_warp_match_and_reduce():
     match.any + redux.sync (one shared atomic per distinct bin); the default build has neither."""
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.cuda_util import source
-    cubin, log, rep = _compile(**DEFAULT, SAMPLE_RADIX=1)
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    cubin, log, rep = _compile_clean(**DEFAULT, SAMPLE_RADIX=1)
     assert "match.any.sync" in source(S.header(dict(DEFAULT, SAMPLE_RADIX=1)))
     assert S.sample_radix_smem() == 256 * 12 + 32 + 4 * S.CONSTS["SAMPLE_CAP"]
     default, _, _ = _compile(**DEFAULT)
@@ -551,9 +560,7 @@ def test_attention_shape_constants_build_compiles_smaller():
     """The SHAPE_CONSTS build (bench-2b's shapes) compiles without spills to fewer instructions."""
     from kog_nvidia_hopper import schedule as S
     consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
-    cubin, log, rep = _compile(**DEFAULT, **consts)
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    cubin, log, rep = _compile_clean(**DEFAULT, **consts)
     default, _, _ = _compile(**DEFAULT)
     assert len(cubin) < len(default)
 
@@ -566,9 +573,7 @@ def test_v18b_defaults_make_the_code_smaller(off):
     more code on the per-layer path."""
     from kog_nvidia_hopper import schedule as S
     consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
-    cubin, log, rep = _compile(**dict(DEFAULT, **consts, **off))
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    cubin, log, rep = _compile_clean(**dict(DEFAULT, **consts, **off))
     default, _, _ = _compile(**DEFAULT, **consts)
     assert len(default) < len(cubin)
 
@@ -594,9 +599,7 @@ def test_weight_copies_carry_the_l2_evict_first_hint_unless_turned_off():
     from kog_nvidia_hopper import schedule
     from kog_nvidia_hopper.cuda_util import source
     assert "createpolicy.fractional.L2::evict_first" in source(schedule.header(DEFAULT))
-    cubin, log, rep = _compile(**dict(DEFAULT, STREAM_L2_FIRST=0))
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    cubin, log, rep = _compile_clean(**dict(DEFAULT, STREAM_L2_FIRST=0))
     default, _, _ = _compile(**DEFAULT)
     assert cubin != default  # the hint changed the code (SASS: UBLKCP with a desc[] operand)
 
