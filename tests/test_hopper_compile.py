@@ -13,7 +13,7 @@ from kog_core.errors import BackendUnavailable, CapabilityError, KogError
 # up to 168 registers a thread: the register file's quadrants cap 13 warps at 128), one attention
 # K/V buffer, the attention inlined, the preloaded norm weights in shared memory.
 DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1, INLINE_ATTENTION=1, NORM_SMEM=1, STREAM_L2_FIRST=1,
-               NORM_RCP=1, ATT_FASTDIV=1)
+               NORM_RCP=1, ATT_FASTDIV=1, SAMPLE_GRID=1, SAMPLE_EPT=4)  # EPT 4: a 128k vocabulary over 132 blocks
 MAX_REGISTERS = 168
 # Spill bytes of the whole kernel (every function): 0 since session 8. History: 4 at the entry in
 # v15 (the next stage's descriptor row by cp.async instead of registers held across the noinline
@@ -77,7 +77,7 @@ def test_kernel_source_splices_every_concern_file_once():
     from kog_nvidia_hopper.cuda_util import KERNEL_DIR, kernel_source
     top = (KERNEL_DIR / "decode.cu").read_text()
     names = re.findall(r'^#include "([\w.]+\.cuh)"', top, flags=re.M)
-    assert names[0] == "ring.cuh" and len(names) == len(set(names)) == 9
+    assert names[0] == "ring.cuh" and len(names) == len(set(names)) == 10
     spliced = kernel_source("decode.cu")
     assert "#include" not in spliced
     for name, entry in (("matvec.cuh", "run_matvec"), ("attention.cuh", "run_attention"),
@@ -530,16 +530,30 @@ def test_tag_down_build_compiles_and_leaves_the_default_alone():
     assert len(default) < len(cubin)
 
 
-def test_sample_radix_build_compiles_with_warp_match_and_reduce():
-    """KOG_HOPPER_SAMPLE_RADIX=1 (an experiment, off): no spills; the histograms are filled through
-    match.any + redux.sync (one shared atomic per distinct bin); the default build has neither."""
+def test_both_samplers_compile_with_warp_match_and_reduce():
+    """Sampled decoding on every block (SAMPLE_GRID, the default; up to SAMPLE_GRID_MAX_EPT
+    candidates per thread) and on block 0 (the fallback): no spills either way; the histograms are
+    filled through match.any + redux.sync (one shared atomic per distinct bin)."""
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.cuda_util import source
-    cubin, log, rep = _compile_clean(**DEFAULT, SAMPLE_RADIX=1)
-    assert "match.any.sync" in source(S.header(dict(DEFAULT, SAMPLE_RADIX=1)))
+    block = {k: v for k, v in DEFAULT.items() if k not in ("SAMPLE_GRID", "SAMPLE_EPT")}
+    cubin, log, rep = _compile_clean(**block)
+    _compile_clean(**dict(DEFAULT, SAMPLE_EPT=S.SAMPLE_GRID_MAX_EPT))
+    for v in (block, DEFAULT):
+        assert "match.any.sync" in source(S.header(v))
+    assert "redux.sync.max.u32" in source(S.header(DEFAULT))  # the bins' largest keys
     assert S.sample_radix_smem() == 256 * 12 + 32 + 4 * S.CONSTS["SAMPLE_CAP"]
+    assert S.sample_grid_smem() == 256 * 20 + 40
     default, _, _ = _compile(**DEFAULT)
     assert default != cubin
+
+
+def test_grid_sampler_takes_a_128k_vocabulary_in_four_candidates_a_thread():
+    from kog_nvidia_hopper import schedule as S
+    assert S.sample_grid_ept(128256, 132, 320) == 4   # 972 a block
+    assert S.sample_grid_ept(1000, 132, 320) == 1
+    assert S.sample_grid_ept(320 * 132 * 8, 132, 320) == 8
+    assert S.sample_grid_ept(320 * 132 * 8 + 1, 132, 320) == 9  # over the bound: block 0 samples
 
 
 def test_attention_shape_constants_for_bench_2b_and_none_when_stages_differ():
@@ -573,8 +587,12 @@ def test_v18b_defaults_make_the_code_smaller(off):
     more code on the per-layer path."""
     from kog_nvidia_hopper import schedule as S
     consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
-    cubin, log, rep = _compile_clean(**dict(DEFAULT, **consts, **off))
-    default, _, _ = _compile(**DEFAULT, **consts)
+    _compile_clean(**dict(DEFAULT, **consts, **off))
+    # sizes compared with block 0's sampler: the grid sampler's allocation moves the total by more
+    # than these changes (it is off the per-layer path)
+    block = {k: v for k, v in DEFAULT.items() if k not in ("SAMPLE_GRID", "SAMPLE_EPT")}
+    cubin, _, _ = _compile(**dict(block, **consts, **off))
+    default, _, _ = _compile(**block, **consts)
     assert len(default) < len(cubin)
 
 

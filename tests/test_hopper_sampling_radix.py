@@ -1,4 +1,4 @@
-"""The radix select of kernels/sample.cuh (SAMPLE_RADIX), emulated step for step in numpy: 8-bit bins of the
+"""The radix selects of kernels/sample.cuh (block 0) and kernels/sample_grid.cuh (every block), emulated step for step in numpy: 8-bit bins of the
 64-bit candidate key (float order of z, then lower index), MSB first, fixed-point masses (p 2^40),
 bins without candidates never chosen, the lowest candidate when a target is never reached, targets
 as the float32 products of kog_core/sampling.py. Checked against a full sort on the same fixed
@@ -79,6 +79,66 @@ def sample_radix(logits, params: SamplingParams, step: int) -> int:
     return 0xFFFFFFFF - (ce & 0xFFFFFFFF)
 
 
+def grid_select(keys, w, floor, kind, frac=None, target=None):
+    """sample_grid.cuh's select: the same passes, the target of a mass select from its first pass
+    (frac times the float32 mass of the candidates), warp 0's choice by lanes of 8 bins (ballot of
+    the lanes that reach the target among those with candidates), and an early end when the chosen
+    bin holds one candidate (its key: the bin's largest). Returns (key, passes)."""
+    cand = keys >= np.uint64(floor)
+    prefix, above = 0, 0
+    for p in range(8):
+        shift = 56 - 8 * p
+        m = cand if p == 0 else cand & ((keys >> np.uint64(shift + 8)) == np.uint64(prefix))
+        bins = ((keys[m] >> np.uint64(shift)) & np.uint64(255)).astype(np.int64)
+        cnt = np.bincount(bins, minlength=256)
+        val = [0] * 256
+        kmax = [0] * 256
+        for b, v, k in zip(bins, w[m], keys[m]):
+            val[b] += 1 if kind == 0 else int(v)
+            kmax[b] = max(kmax[b], int(k))
+        if p == 0 and kind != 0:
+            target = to_fixed(np.float32(frac) * mass_f32(sum(val)))
+        lanes = [list(range(255 - 8 * ln, 247 - 8 * ln, -1)) for ln in range(32)]
+        ls = [sum(val[b] for b in lane) for lane in lanes]
+        anyc = [any(cnt[b] for b in lane) for lane in lanes]
+        reach = [above + sum(ls[:ln + 1]) for ln in range(32)]
+        crosses = (lambda x: x > target) if kind == 2 else (lambda x: x >= target)
+        hit = [ln for ln in range(32) if anyc[ln] and crosses(reach[ln])]
+        nz = [ln for ln in range(32) if anyc[ln]]
+        L = hit[0] if hit else nz[-1]
+        acc = reach[L] - ls[L]
+        chosen, last, acc_last = None, lanes[L][0], acc
+        for b in lanes[L]:
+            if not cnt[b]:
+                continue
+            nx = acc + val[b]
+            last, acc_last = b, acc
+            if hit and crosses(nx):
+                chosen = b
+                break
+            acc = nx
+        if chosen is None:
+            chosen, acc = last, acc_last
+        prefix, above = (prefix << 8) | chosen, acc
+        if cnt[chosen] == 1 or p == 7:
+            return kmax[chosen], p + 1
+    raise AssertionError("unreachable")
+
+
+def sample_grid(logits, params: SamplingParams, step: int, passes: list | None = None) -> int:
+    z = np.asarray(logits, np.float32) / np.float32(params.temperature)
+    w, keys, V = fixed(np.exp(z - z.max(), dtype=np.float32)), keys_of(z), z.size
+    floor = 0
+    for kind in range(3):
+        if (kind == 0 and not 0 < params.top_k < V) or (kind == 1 and not params.top_p < 1.0):
+            continue
+        frac = params.top_p if kind == 1 else np.float32(philox_uniform(params.seed, step))
+        floor, n = grid_select(keys, w, floor, kind, frac=frac, target=params.top_k)
+        if passes is not None:
+            passes.append(n)
+    return 0xFFFFFFFF - (floor & 0xFFFFFFFF)
+
+
 def sample_sorted(logits, params: SamplingParams, step: int) -> int:
     """The same fixed-point definition by a full sort."""
     z = np.asarray(logits, np.float32) / np.float32(params.temperature)
@@ -112,6 +172,24 @@ def _cases(n, seed):
 def test_radix_select_picks_what_a_full_sort_picks():
     for logits, params, step in _cases(300, 1):
         assert sample_radix(logits, params, step) == sample_sorted(logits, params, step), (params, step)
+
+
+def test_grid_select_picks_what_a_full_sort_picks_and_ends_early():
+    passes = []
+    for logits, params, step in _cases(300, 3):
+        assert sample_grid(logits, params, step, passes) == sample_sorted(logits, params, step), (params, step)
+    assert np.mean(passes) < 4.5 and max(passes) == 8  # ties at the top need all 8 passes (the index bytes)
+
+
+def test_grid_select_can_fail():
+    """A choice among all lanes (not only those with candidates) picks an empty bin when the target
+    is already reached before it: the emulation checks the ballot's condition."""
+    keys = keys_of(np.array([3.0, 2.0, 1.0], np.float32))
+    w = fixed(np.array([1.0, 1.0, 1.0], np.float32))
+    key, _ = grid_select(keys, w, 0, 1, frac=np.float32(0.0))  # target 0: the first candidate
+    assert 0xFFFFFFFF - (key & 0xFFFFFFFF) == 0
+    key, _ = grid_select(keys, w, 0, 2, frac=np.float32(0.5))  # 1.5 of 3: the second
+    assert 0xFFFFFFFF - (key & 0xFFFFFFFF) == 1
 
 
 def test_radix_sampling_follows_the_cpu_sampler():

@@ -183,12 +183,19 @@ class HopperBackend(KernelBackend):
         # when the values carry this write's parity, instead of after gate/up's completion count
         tagged = S.tag_pair_outputs(program, stages) if _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1) else []
         self.tagged = {name: program.tensors[name].numel for name in tagged}  # buffer -> floats
-        # SAMPLE_RADIX (an experiment, session 9, not yet run on the GPU): sampled decoding's top-k,
-        # top-p and draw by a radix select in the sample stage's shared scratch
-        self.sample_radix = _env_int("KOG_HOPPER_SAMPLE_RADIX", 0, lo=0, hi=1)
+        # sampled decoding (temperature > 0): on every block (sample_grid.cuh; default since session
+        # 10) when each thread's share of the vocabulary fits its registers and the LM head leaves
+        # per-block maxima; else on block 0 (sample.cuh radix_select). KOG_HOPPER_SAMPLE=block forces
+        # block 0.
+        mode = os.environ.get("KOG_HOPPER_SAMPLE", "grid")
+        if mode not in ("grid", "block"):
+            raise KogError(f"KOG_HOPPER_SAMPLE={mode!r}: use 'grid' or 'block' (or leave it unset)")
+        self.sample_ept = S.sample_grid_ept(program.vocab_size, self.nb, self.nt)
+        self.sample_grid = (mode == "grid" and self.argmax_ptr != 0
+                            and self.sample_ept <= S.SAMPLE_GRID_MAX_EPT)
         for st in stages:
-            if st.type == "sample" and self.sample_radix:
-                st.smem = max(st.smem, S.sample_radix_smem())
+            if st.type == "sample":
+                st.smem = max(st.smem, S.sample_grid_smem() if self.sample_grid else S.sample_radix_smem())
         # matvec.cuh NORM_SMEM (default since v17, +0.5%): the norm weights a stage preloads before
         # its wait go to shared memory by cp.async instead of local memory
         self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 1, lo=0, hi=1)
@@ -252,8 +259,15 @@ class HopperBackend(KernelBackend):
             variant["STREAM_L2_FIRST"] = 1
         if self.tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
-        if self.sample_radix:
-            variant["SAMPLE_RADIX"] = 1
+        if self.sample_grid:
+            variant.update(SAMPLE_GRID=1, SAMPLE_EPT=self.sample_ept)
+        # the dynamic shared memory (and so every ring slot) on a fixed boundary, not wherever the
+        # static shared memory ends (stream.cuh SMEM_ALIGN; session 10)
+        smem_align = _env_int("KOG_HOPPER_SMEM_ALIGN", 128, lo=16, hi=1024)
+        if smem_align & (smem_align - 1):
+            raise KogError(f"KOG_HOPPER_SMEM_ALIGN={smem_align}: use a power of two from 16 to 1024")
+        if smem_align != 16:
+            variant["SMEM_ALIGN"] = smem_align
         # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
         # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the
         # attention's divisions by its chunk count from a corrected float estimate)
@@ -285,6 +299,7 @@ class HopperBackend(KernelBackend):
         self.d_prompt = self._alloc(self.T * 4)
         self.d_stops = self._alloc(256 * 4)
         self.d_scratch = self._alloc(program.vocab_size * 8)
+        self.d_sample_sync = self._alloc(S.sample_grid_bytes()) if self.sample_grid else 0
         self.h_out, self.d_out = self._host_mapped(self.T * 4 + 64)
         self.h_cnt, self.d_cnt = self._host_mapped(64)
         self.h_cancel, self.d_cancel = self._host_mapped(64)
@@ -375,6 +390,9 @@ class HopperBackend(KernelBackend):
         run[R["R_CANCEL"]] = self.d_cancel
         run[R["R_CTX"]] = self.T
         run[R["R_SCRATCH"]] = self.d_scratch
+        run[R["R_SAMPLE_SYNC"]] = self.d_sample_sync
+        if self.d_sample_sync and params.temperature > 0:  # the grid sampler's counter and bins start at zero
+            check(drv.cuMemsetD32(self.d_sample_sync, 0, S.sample_grid_bytes() // 4), "cuMemsetD32(sample sync)")
         run[R["R_SKIP"]] = skip
         run[R["R_STREAM"]] = self.d_stream
         run[R["R_BINFO"]] = self.d_binfo

@@ -63,8 +63,9 @@ RUN = dict(
     R_HOST_COUNT=13, R_CANCEL=14, R_CTX=15, R_SCRATCH=16, R_TOK=17, R_STOP=18, R_SKIP=19,
     R_TRACE=20, R_TRACE_IT0=21,  # trace builds only (trace.py)
     R_STREAM=22, R_BINFO=23,     # the producers' copy lists and the blocks' stage info (stream_list)
+    R_SAMPLE_SYNC=24,            # SAMPLE_GRID: the rounds' arrival counter and global bins (sample_grid_bytes)
 )
-NRUN = 24
+NRUN = 25
 
 SUPPORTED_OPS = frozenset({"embed", "rmsnorm", "matvec", "rope", "kv_append", "attention", "swiglu",
                            "add", "copy", "lane_mean", "lane_sum", "collective", "lane_residual",
@@ -344,9 +345,29 @@ def _attn_stage(P, ops, idxs, nb, nt, kv_bufs=2):
 
 
 def sample_radix_smem() -> int:
-    """Shared scratch of the sample stage under sample.cuh SAMPLE_RADIX: two 256-bin histograms (u64
-    masses, u32 counts), 4 u64 of state, the candidate list."""
+    """Shared scratch of the sample stage's block-0 sampler (sample.cuh radix_select): two 256-bin
+    histograms (u64 masses, u32 counts), 4 u64 of state, the candidate list."""
     return 256 * 8 + 256 * 4 + 4 * 8 + CONSTS["SAMPLE_CAP"] * 4
+
+
+SAMPLE_GRID_MAX_EPT = 8  # candidates per thread the grid sampler holds in registers at most
+
+
+def sample_grid_ept(vocab: int, nb: int, nt: int) -> int:
+    """Candidates per thread of sample_grid.cuh: each block's slice of the vocabulary over its threads."""
+    return -(-(-(-vocab // nb)) // nt)
+
+
+def sample_grid_smem() -> int:
+    """Shared scratch of sample_grid.cuh: a block's 256 bins (u64 mass, u64 largest key, u32 count)
+    and the choice (5 u64)."""
+    return 256 * (8 + 8 + 4) + 5 * 8
+
+
+def sample_grid_bytes() -> int:
+    """Global memory of sample_grid.cuh: the arrival counter's 128-byte line, then two sets (a token's
+    parity) of SG_ROUNDS rounds of 5 KB bins."""
+    return 128 + 2 * 24 * 256 * (8 + 8 + 4)
 
 
 def allow_attention_chunks(st: Stage, maxch: int, nt: int) -> None:

@@ -16,8 +16,8 @@
 // One concern per file, spliced in this order (cuda_util.kernel_source): ring.cuh (the weight
 // ring's primitives, shared with the stream probe), common.cuh (helpers), context.cuh (trace
 // stamps, the stage context, the wait), attention_plan.cuh (how the attention tiles a query),
-// stream.cuh (the producer warp), matvec.cuh, attention.cuh, elementwise.cuh, sample.cuh (the stage
-// kinds); this file keeps the block's layout, the signal warp and the stage loop.
+// stream.cuh (the producer warp), matvec.cuh, attention.cuh, elementwise.cuh, sample.cuh,
+// sample_grid.cuh (the stage kinds); this file keeps the block's layout, the signal warp and the stage loop.
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -57,6 +57,7 @@ typedef long long i64;
 #include "attention.cuh"
 #include "elementwise.cuh"
 #include "sample.cuh"
+#include "sample_grid.cuh"
 
 // ------------------------------------------------------------------------------ kernel
 
@@ -100,6 +101,10 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
         for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], FULL_ARRIVALS); mbar_init(&empty_bar[i], NT); }
         s_done = 0;
         if (SIGNAL_WARP) s_staged = 0;
+#if SAMPLE_GRID
+        s_sg_round = 0;
+        s_sg_used = 0;
+#endif
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the last barrier of all NTHREADS: from here on the producer warp goes its own way

@@ -1,6 +1,10 @@
-// The sample stage (block 0): greedy from the LM head's partials, or temperature / top-k / top-p
-// with the reference's Philox draw; then the stop check. Part of the decode kernel: decode.cu
-// includes it (cuda_util.kernel_source splices it in, in order).
+// The sample stage: greedy from the LM head's partials (block 0), or temperature / top-k / top-p
+// with the reference's Philox draw (every block with SAMPLE_GRID, sample_grid.cuh; else block 0);
+// then the stop check (block 0). Part of the decode kernel: decode.cu includes it
+// (cuda_util.kernel_source splices it in, in order).
+#ifndef SAMPLE_GRID
+#define SAMPLE_GRID 0
+#endif
 
 // ------------------------------------------------------------------------------ Philox
 __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
@@ -18,7 +22,7 @@ __device__ __forceinline__ u32 philox_w0(u64 seed, u32 n) {
 }
 
 // ------------------------------------------------------------------------------ sampling
-// Block 0 only. Order of candidates: z descending, index ascending, encoded in one u64
+// Order of candidates: z descending, index ascending, encoded in one u64
 // comb = key(z) << 32 | ~index, so "prefix up to e" = {i : comb_i >= comb_e}.
 __device__ __forceinline__ u32 fkey(float f) {
     u32 u = __float_as_uint(f);
@@ -28,56 +32,16 @@ __device__ __forceinline__ u64 comb_of(const float* z, int i) {
     return ((u64)fkey(z[i]) << 32) | (u64)(0xffffffffu - (u32)i);
 }
 
-// largest c such that f(c) holds, f monotone (true for small c), searching in [lo, hi]
-// kind 0: count(comb >= c) >= k ; kind 1: mass(comb >= c, comb >= cmin) >= target ; kind 2: > target
-__device__ u64 sample_search(const float* z, const float* p, int V, int kind, u32 k, float target,
-                             u64 cmin, u64 lo, u64 hi) {
-    while (lo < hi) {
-        u64 mid = lo + ((hi - lo) >> 1) + 1;  // hi > lo: no overflow
-        bool ok;
-        if (kind == 0) {
-            u32 cntv = 0;
-            for (int i = threadIdx.x; i < V; i += NT) {
-                u64 cb = comb_of(z, i);
-                cntv += cb >= mid;
-            }
-            ok = block_count(cntv) >= k;
-        } else {
-            float s = 0.f;
-            u64 th = mid > cmin ? mid : cmin;
-            for (int i = threadIdx.x; i < V; i += NT) {
-                u64 cb = comb_of(z, i);
-                if (cb >= th) s += p[i];
-            }
-            float m = block_sum(s);
-            ok = kind == 1 ? (m >= target) : (m > target);
-        }
-        if (ok) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
-
-__device__ float mass_ge(const float* z, const float* p, int V, u64 th) {
-    float s = 0.f;
-    for (int i = threadIdx.x; i < V; i += NT) {
-        u64 cb = comb_of(z, i);
-        if (cb >= th) s += p[i];
-    }
-    return block_sum(s);
-}
-
-// SAMPLE_RADIX (an experiment, off; KOG_HOPPER_SAMPLE_RADIX=1; written in session 9, not yet run on
-// the GPU): top-k, top-p and the draw by a radix select instead of binary searches. The binary
-// searches take 64 passes each over the vocabulary's z and p (~1 MB from L2 at 128k tokens);
-// the radix select takes 8 passes of 8 bits over the 64-bit key, and once the prefix leaves at
-// most SAMPLE_CAP candidates, lists them in shared memory and reads only those. Masses are summed
-// in fixed point (p 2^40, exact for p >= 2^-40: a power-of-two scale): integer sums are the same in
-// any order, so seeded runs stay deterministic with atomics; targets are the float32 products of
-// the CPU definition (kog_core/sampling.py), converted to the same fixed point. The algorithm is
-// checked against a full sort on the CPU (tests/test_hopper_compile.py, an emulation).
-#ifndef SAMPLE_RADIX
-#define SAMPLE_RADIX 0
-#endif
+// Block 0's sampler, when SAMPLE_GRID (sample_grid.cuh, the default) cannot hold the vocabulary
+// in the grid's registers: top-k, top-p and the draw by a radix select over the candidate key,
+// 8 passes of 8 bits; once the prefix leaves at most SAMPLE_CAP candidates, they are listed in
+// shared memory and only those are read. (Before session 10: binary searches of 64 passes each over
+// the vocabulary's z and p, 118 tok/s on bench-2b; this select, 217; the grid's: docs/benchmarks.md.)
+// Masses are summed in fixed point (p 2^40, exact for p >= 2^-40: a power-of-two scale): integer
+// sums are the same in any order, so seeded runs stay deterministic with atomics; targets are the
+// float32 products of the CPU definition (kog_core/sampling.py), converted to the same fixed point.
+// The algorithm is checked against a full sort on the CPU (tests/test_hopper_sampling_radix.py,
+// an emulation).
 // SAMPLE_CAP (schedule.CONSTS): candidates the radix select lists in the stage's shared scratch
 __device__ __forceinline__ u64 fixed_mass(float p) { return (u64)(p * 1099511627776.0f); }  // p 2^40, truncated
 __device__ __forceinline__ float mass_f32(u64 m) { return __ull2float_rn(m) * (1.0f / 1099511627776.0f); }
@@ -91,18 +55,30 @@ __device__ __forceinline__ u32 redux_add(u32 mask, u32 v) {
     asm volatile("redux.sync.add.u32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(mask));
     return r;
 }
+__device__ __forceinline__ u32 redux_max(u32 mask, u32 v) {
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(mask));
+    return r;
+}
 // Adds v to bin b (b < 0: nothing) of the histograms, summed first over the warp's lanes with the
-// same bin: one shared atomic per distinct bin, not 32 on one address. Every lane must call.
-__device__ __forceinline__ void hist_add(u64* hist, u32* cnt, int b, u64 v) {
+// same bin: one shared atomic per distinct bin, not 32 on one address. With kmax (SAMPLE_GRID), the
+// bin's largest key too. Every lane must call.
+__device__ __forceinline__ void hist_add(u64* hist, u32* cnt, int b, u64 v, u64* kmax = nullptr, u64 key = 0) {
     const u32 same = match_any(b);
     if (b < 0) return;
     // v < 2^41: three 20-bit parts, each summed over <= 32 lanes within 32 bits
     const u32 s0 = redux_add(same, (u32)(v & 0xfffffu));
     const u32 s1 = redux_add(same, (u32)((v >> 20) & 0xfffffu));
     const u32 s2 = redux_add(same, (u32)(v >> 40));
+    u64 km = 0;
+    if (kmax) {  // the high word's maximum, then the low word's among the lanes that hold it
+        const u32 hi = redux_max(same, (u32)(key >> 32));
+        km = ((u64)hi << 32) | redux_max(same, (u32)(key >> 32) == hi ? (u32)key : 0u);
+    }
     if ((int)(threadIdx.x & 31) == __ffs(same) - 1) {
         atomicAdd((unsigned long long*)&hist[b], (unsigned long long)(s0 + ((u64)s1 << 20) + ((u64)s2 << 40)));
         atomicAdd(&cnt[b], (u32)__popc(same));
+        if (kmax) atomicMax((unsigned long long*)&kmax[b], (unsigned long long)km);
     }
 }
 // The fixed-point mass of the candidates with key >= th (a deterministic block sum).
@@ -186,12 +162,21 @@ __device__ __noinline__ u64 radix_select(const float* z, const float* p, int V, 
     return prefix;
 }
 
+#if SAMPLE_GRID
+__device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n);  // sample_grid.cuh
+#endif
+
 __device__ __noinline__ void run_sample(Ctx& c) {
     const i64* st = s_desc[c.dcur];
     i64* run = c.run;
-    if (blockIdx.x != 0) return;
     const int tid = threadIdx.x;
     __shared__ int s_tok;
+    const float temp = __int_as_float((int)run[R_TEMP]);
+#if SAMPLE_GRID  // sampled decoding: every block takes part
+    u64 ce_grid = 0;
+    if (!c.logits_mode && c.it >= c.P - 1 && temp > 0.f) ce_grid = sample_grid(c, temp, c.it - (c.P - 1));
+#endif
+    if (blockIdx.x != 0) return;
     if (c.logits_mode) {
         if (tid == 0) { run[R_STOP] = (c.it >= c.P - 1) ? 1 : 0; }
         return;
@@ -203,7 +188,6 @@ __device__ __noinline__ void run_sample(Ctx& c) {
     const int n = c.it - (c.P - 1);  // generation step
     const int V = (int)st[SM_V];
     const float* logits = (const float*)st[SM_LOGITS];
-    const float temp = __int_as_float((int)run[R_TEMP]);
     u32 cancel = 0;
     if (tid == 0 && run[R_CANCEL]) cancel = ld_sys((const volatile u32*)run[R_CANCEL]);
     if (temp <= 0.f) {
@@ -244,6 +228,9 @@ __device__ __noinline__ void run_sample(Ctx& c) {
         }
         csync();
     } else {
+#if SAMPLE_GRID
+        const u64 ce = ce_grid;
+#else
         float* z = (float*)run[R_SCRATCH];
         float* p = z + V;
         float zm = -__int_as_float(0x7f800000);
@@ -251,12 +238,11 @@ __device__ __noinline__ void run_sample(Ctx& c) {
         zm = block_max(zm);
         for (int i = tid; i < V; i += NT) p[i] = expf(z[i] - zm);
         csync();
-        int topk = (int)run[R_TOPK];
-        u64 cmin = 0;
-#if SAMPLE_RADIX  // the same steps on fixed-point masses (targets: float32 products, as the CPU)
+        const int topk = (int)run[R_TOPK];
         const float topp = __int_as_float((int)run[R_TOPP]);
         const u32 w = philox_w0((u64)run[R_SEED], (u32)n);
         const float u = (float)(w >> 8) * (1.0f / 16777216.0f);
+        u64 cmin = 0;
         if (topk > 0 && topk < V) cmin = radix_select(z, p, V, 0, (u64)topk, 0);
         u64 ckeep = cmin;
         if (topp < 1.0f) {
@@ -266,20 +252,6 @@ __device__ __noinline__ void run_sample(Ctx& c) {
         }
         const u64 kept = mass_fixed(z, p, V, ckeep);
         const u64 ce = radix_select(z, p, V, 2, fixed_mass(__fmul_rn(u, mass_f32(kept))), ckeep);
-#else
-        if (topk > 0 && topk < V) cmin = sample_search(z, p, V, 0, (u32)topk, 0.f, 0, 0, ~0ull);
-        float total = mass_ge(z, p, V, cmin);
-        float topp = __int_as_float((int)run[R_TOPP]);
-        u64 ckeep = cmin;
-        if (topp < 1.0f) {
-            u64 cp = sample_search(z, p, V, 1, 0, topp * total, cmin, cmin, ~0ull);
-            ckeep = cp > cmin ? cp : cmin;
-        }
-        float kept = mass_ge(z, p, V, ckeep);
-        u32 w = philox_w0((u64)run[R_SEED], (u32)n);
-        float u = (float)(w >> 8) * (1.0f / 16777216.0f);
-        float tu = u * kept;
-        u64 ce = sample_search(z, p, V, 2, 0, tu, ckeep, ckeep, ~0ull);
 #endif
         // ce is the comb of the chosen element (or ckeep: the last kept one)
         if (tid == 0) s_tok = (int)(0xffffffffu - (u32)(ce & 0xffffffffu));
