@@ -109,23 +109,32 @@ def main():
     ap.add_argument("--save", default=None)
     ap.add_argument("--skip", type=lambda v: int(v, 0), default=0,
                     help="breakdown skip mask (backend.bench_breakdown), e.g. 0xc4: weights only")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled decoding (greedy by default)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     a = ap.parse_args()
+    if a.skip and a.temperature > 0:
+        # without the waits between stages, blocks could reach the grid sampler's next token while
+        # others still read this one's bins
+        ap.error("--skip traces greedy decoding only: leave out --temperature")
     os.environ["KOG_HOPPER_TRACE"] = str(a.at)
     from kog_core.interfaces import SamplingParams, StopCriteria
     from .bench import load_preset
     _, hb = load_preset(a.preset, a.context)
     prompt = [1, 2, 3, 4]
-    hb.generate_timed(prompt, SamplingParams(), StopCriteria(max_tokens=a.tokens))
+    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=0)
+    hb.generate_timed(prompt, params, StopCriteria(max_tokens=a.tokens))
     if a.skip:
         total = hb._time_request(prompt, a.tokens, a.skip)
         ttft = 0.0
     else:
-        _, ttft, total = hb.generate_timed(prompt, SamplingParams(), StopCriteria(max_tokens=a.tokens))
+        _, ttft, total = hb.generate_timed(prompt, params, StopCriteria(max_tokens=a.tokens))
     tr = hb.read_trace()
     labels = hb.stage_summary()
     if a.save:
         np.savez_compressed(a.save, trace=tr, labels=np.asarray(labels))
-    print(f"{a.preset}: {(a.tokens - 1) / (total - ttft):.1f} tok/s (trace build, skip {a.skip:#x}), variant {hb.variant}")
+    how = "greedy" if a.temperature <= 0 else f"temperature {a.temperature}, top-k {a.top_k}, top-p {a.top_p}"
+    print(f"{a.preset}: {(a.tokens - 1) / (total - ttft):.1f} tok/s (trace build, {how}, skip {a.skip:#x}), variant {hb.variant}")
     print("\n".join(summarize(tr, labels)))
     hb.close()
 
