@@ -572,6 +572,9 @@ def test_grid_sampler_takes_a_128k_vocabulary_in_four_candidates_a_thread():
     assert S.sample_grid_ept(1000, 132, 320) == 1
     assert S.sample_grid_ept(320 * 132 * 8, 132, 320) == 8
     assert S.sample_grid_ept(320 * 132 * 8 + 1, 132, 320) == 9  # over the bound: block 0 samples
+    # the global bins: a round per pass of each of 3 selects, two sets (a token's parity), 5 KB a round
+    assert S.CONSTS["SG_ROUNDS"] == 3 * 8
+    assert S.sample_grid_bytes() == 128 + 2 * 24 * 5120
 
 
 def test_attention_shape_constants_for_bench_2b_and_none_when_stages_differ():

@@ -50,6 +50,7 @@ CONSTS = dict(
     NSLOT=NSLOT, SEG_STRIDE=SEG_STRIDE,
     ST_MATVEC=1, ST_ATTN=2, ST_EW=3, ST_SAMPLE=4,
     ATT_SUB=32,  # attention: positions per shared-memory K/V sub-chunk
+    SG_ROUNDS=24,  # the grid sampler's rounds a token at most (sample_grid.cuh: 3 selects of 8 passes)
     SAMPLE_CAP=2048,  # block 0's sampler (sample.cuh radix_select): candidates listed in shared memory once that few
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
     MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16,
@@ -366,8 +367,8 @@ def sample_grid_smem() -> int:
 
 def sample_grid_bytes() -> int:
     """Global memory of sample_grid.cuh: the arrival counter's 128-byte line, then two sets (a token's
-    parity) of SG_ROUNDS rounds of 5 KB bins."""
-    return 128 + 2 * 24 * 256 * (8 + 8 + 4)
+    parity) of SG_ROUNDS rounds of 5 KB bins (SgRound)."""
+    return 128 + 2 * CONSTS["SG_ROUNDS"] * 256 * (8 + 8 + 4)
 
 
 def allow_attention_chunks(st: Stage, maxch: int, nt: int) -> None:

@@ -20,7 +20,7 @@
 // (the token before last: nobody reads them any more, and the stage counters order these stores
 // before the next token's atomics). The host zeroes both sets and the counter at each launch.
 #if SAMPLE_GRID
-#define SG_ROUNDS 24  // per token at most: 3 selects of 8 passes
+// SG_ROUNDS (schedule.CONSTS, which also sizes the global bins): rounds a token at most
 struct SgRound { u64 mass[256]; u64 kmax[256]; u32 cnt[256]; };  // 5 KB of global bins
 __shared__ u32 s_sg_round;  // rounds run in this launch (every block runs the same ones)
 __shared__ u32 s_sg_used;   // rounds the previous sampled token ran
