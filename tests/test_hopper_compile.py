@@ -717,3 +717,29 @@ def test_norm_smem_reserves_the_norm_weights_and_the_wpre_build_compiles(monkeyp
     cubin, _, rep = _compile(**dict(DEFAULT, NORM_SMEM=0))
     assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
     assert rep["spill_stores"] == 0, rep
+
+
+def test_wait_relaxed_build_polls_without_invalidating_l1():
+    """KOG_HOPPER_WAIT_RELAXED=1 (an experiment, off; not yet run on the GPU): the counter polls are
+    relaxed loads and one acquire fence follows the last. The default build's polls are acquire
+    loads, each followed by an invalidation of the whole L1 (CCTL.IVALL) in the loop."""
+    import re
+    import subprocess
+    import shutil
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.cuda_util import source
+    cubin, _, _ = _compile_clean(**DEFAULT, WAIT_RELAXED=1)
+    src = source(S.header(dict(DEFAULT, WAIT_RELAXED=1)))
+    assert "ld.relaxed.gpu.global.u32" in src and "fence.acq_rel.gpu" in src
+    default, _, _ = _compile(**DEFAULT)
+    assert default != cubin
+    nvdisasm = shutil.which("nvdisasm")
+    if nvdisasm:  # optional: the poll loops themselves
+        import tempfile
+        def polls_with_cctl(c):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(c)
+                f.flush()
+                sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+            return len(re.findall(r"LDG\.E\.STRONG\.GPU[^\n]*\n[^\n]*CCTL\.IVALL", sass))
+        assert polls_with_cctl(default) > polls_with_cctl(cubin)

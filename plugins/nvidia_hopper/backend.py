@@ -268,6 +268,8 @@ class HopperBackend(KernelBackend):
             raise KogError(f"KOG_HOPPER_SMEM_ALIGN={smem_align}: use a power of two from 16 to 1024")
         if smem_align != 16:
             variant["SMEM_ALIGN"] = smem_align
+        if _env_int("KOG_HOPPER_WAIT_RELAXED", 0, lo=0, hi=1):  # relaxed polls, one acquire fence (common.cuh; an experiment)
+            variant["WAIT_RELAXED"] = 1
         # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
         # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the
         # attention's divisions by its chunk count from a corrected float estimate)

@@ -52,7 +52,7 @@ __device__ __forceinline__ float fslot(const i64* st, int i) { return __int_as_f
 
 __device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {
     if (threadIdx.x == 0 && target) {  // target 0: the breakdown's "no waits" (no load at all)
-        while (ld_acquire(ctr) < target) { }
+        spin_acquire(ctr, target);
     }
     csync();
 }

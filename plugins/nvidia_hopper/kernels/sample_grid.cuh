@@ -108,7 +108,7 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
             if (tid == 0) {
                 red_release(arrivals, 1u);
                 const u32 all = nb * (round0 + r + 1);
-                while (ld_acquire(arrivals) < all) { }
+                spin_acquire(arrivals, all);
             }
             csync();
             for (int b = tid; b < 256; b += NT) {  // the grid's bins replace the block's
