@@ -340,7 +340,7 @@ def test_trace_summary_reads_a_synthetic_trace():
     """trace.summarize: chain = last block done minus the previous stage's last done."""
     import numpy as np
     from kog_nvidia_hopper.trace import summarize
-    ntok, nst, nb = 4, 3, 5
+    ntok, nst, nb = 4, 4, 5
     tr = np.zeros((ntok, nst, nb, 29), np.uint64)
     t = 1_000_000
     for k in range(ntok):
@@ -354,14 +354,18 @@ def test_trace_summary_reads_a_synthetic_trace():
                     if b < 2:  # two blocks ran a second tile: start, phases, then its steps 100 ns apart
                         tr[k, s, b, 20:25] = [t + 3000, t + 3300, t + 3400, t + 3800, t + 3900]
                         tr[k, s, b, 25:29] = [t + 3500, t + 3600, t + 3700, t + 3800]
+                if s == 3:  # the grid sampler: keys 500 ns after the wait, 6 rounds, their parts
+                    tr[k, s, b, 20:27] = [t + 1500, 6, 1200, 600, 3000 + 10 * b, 1800, 300]
             t += 4400  # last block done + 0 gap: next stage enters then
-    lines = summarize(tr, ["matvec[a]", "attn[attention]", "matvec[b]"])
+    lines = summarize(tr, ["matvec[a]", "attn[attention]", "matvec[b]", "sample[sample]"])
     row = lines[2].split()
     assert row[1] == "attn[attention]" and float(row[2]) == 4.4  # chain us
     assert "attention phases 0.60 / 0.10 / 1.20 / 0.10" in lines[2]
     assert "(first sub-chunk: 0.20 / 0.20 / 0.20 / 0.20)" in lines[2]
     assert "second tile, code hot: 0.30 / 0.10 / 0.40 / 0.10 (sub-chunk: 0.10 / 0.10 / 0.10 / 0.10)" in lines[2]
     assert "first sub-chunk" not in lines[1] and "first sub-chunk" not in lines[3]
+    assert "sampler: keys 0.50, 6 rounds: histograms / atomics / arrival / bins / choice 1.20 / 0.60 / 3.02 / 1.80 / 0.30" in lines[4]
+    assert all("sampler" not in line for line in lines[1:4])
     assert "most often last SM" in lines[-1] and "4x" in lines[-1]
 
 

@@ -26,7 +26,9 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
     release, and the first sub-chunk's steps (scores, softmax, P.V, reduction); where blocks ran a
     second tile (KOG_HOPPER_ATT_TILES above the block count), the same for it, its code hot: from its
     start, q/k/v + RoPE, first K/V, loop, partials, then its sub-chunk's steps. Matvec stages with
-    an input loader: when its input landed (thread 0) and the norm's sum done."""
+    an input loader: when its input landed (thread 0) and the norm's sum done. The grid sampler's
+    stage (sampled decoding): its keys ready after the wait, its rounds, and the rounds' summed
+    histograms / atomics / arrival / bins read / choice."""
     tr = tr.astype(np.int64)
     ntok, nst, nb, _ = tr.shape
     rows = []
@@ -66,7 +68,11 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
                                for f0, f1 in zip([20, 21, 22, 23, 22, 25, 26, 27], [21, 22, 23, 24, 25, 26, 27, 28])]
             xin = np.median(t[s, :, 14] - t[s, :, 1]) if t[s, :, 14].all() else 0
             nrm = np.median(t[s, :, 15] - t[s, :, 14]) if xin and t[s, :, 15].all() else 0
-            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub, *hot))
+            sg = [0.0] * 7  # the grid sampler (sample_grid.cuh): keys ready, rounds, the rounds' parts
+            if t.shape[-1] >= 27 and t[s, :, 21].all() and not tiles.any():
+                sg = [np.median(t[s, :, 20] - t[s, :, 1]), np.median(t[s, :, 21]) * 1e3,
+                      *[np.median(t[s, :, f]) for f in range(22, 27)]]
+            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub, *hot, *sg))
             prev_done = done.max()
         rows.append(r)
     if not rows:
@@ -85,6 +91,9 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
             if c[21:29].any():
                 line += ("; second tile, code hot: " + " / ".join(f"{v:.2f}" for v in c[21:25])
                          + " (sub-chunk: " + " / ".join(f"{v:.2f}" for v in c[25:29]) + ")")
+        if len(c) > 35 and c[30]:
+            line += (f"  sampler: keys {c[29]:.2f}, {c[30]:.0f} rounds: histograms / atomics / arrival / bins / "
+                     "choice " + " / ".join(f"{v:.2f}" for v in c[31:36]))
         if c[15]:
             line += f"  load: input landed {c[15]:.2f}" + (f", norm sum {c[16]:.2f}" if c[16] else "")
         out.append(line)

@@ -36,6 +36,15 @@ __device__ __forceinline__ u64 ldcg_u64(const u64* p) {
     return r;
 }
 
+// Trace build (context.cuh; thread 0 of each block, the sample stage's row): 20 keys ready, 21 rounds
+// run, 22-26 the rounds' summed ns in their histograms, global atomics, arrival (release + poll),
+// bins read and choice. Fields 10-19 and 28 stay 0: trace.py reads those as other stages' steps.
+#ifdef TRACE
+#define SG_STAMP(i) do { if (c.tr && tid == 0) { const u64 t_ = gtimer(); if ((i) >= 0) tsum[i] += t_ - tprev; tprev = t_; } } while (0)
+#else
+#define SG_STAMP(i) do { } while (0)
+#endif
+
 // The key (comb_of order) of the sampled token. All consumer threads of every block call it.
 __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
     const i64* st = s_desc[c.dcur];
@@ -73,6 +82,10 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
         key[k] = i < hi ? ((u64)fkey(z) << 32) | (u64)(0xffffffffu - (u32)i) : 0ull;
         mass[k] = i < hi ? fixed_mass(expf(z - zm)) : 0ull;
     }
+    TMARK(c, 20);
+#ifdef TRACE
+    u64 tsum[5] = {0, 0, 0, 0, 0}, tprev = 0;
+#endif
     const int topk = (int)run[R_TOPK];
     const float topp = __int_as_float((int)run[R_TOPP]);
     const float u = (float)(philox_w0((u64)run[R_SEED], (u32)n) >> 8) * (1.0f / 16777216.0f);
@@ -88,6 +101,7 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
         u64 prefix = 0, above = 0, target = (u64)topk;
         for (int pass = 0; pass < 8; ++pass, ++r) {
             const int shift = 56 - 8 * pass;
+            SG_STAMP(-1);
             for (int b = tid; b < 256; b += NT) { hmass[b] = 0; hkmax[b] = 0; hcnt[b] = 0; }
             csync();
 #pragma unroll
@@ -97,6 +111,7 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
                 hist_add(hmass, hcnt, in ? (int)(cb >> shift) & 255 : -1, kind == 0 ? 1ull : mass[k], hkmax, cb);
             }
             csync();
+            SG_STAMP(0);
             SgRound* R = set + r;
             for (int b = tid; b < 256; b += NT) {
                 if (!hcnt[b]) continue;
@@ -105,18 +120,21 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
                 atomicMax((unsigned long long*)&R->kmax[b], (unsigned long long)hkmax[b]);
             }
             csync();  // the block's atomics before thread 0's release (as the stage counters)
+            SG_STAMP(1);
             if (tid == 0) {
                 red_release(arrivals, 1u);
                 const u32 all = nb * (round0 + r + 1);
                 spin_acquire(arrivals, all);
             }
             csync();
+            SG_STAMP(2);
             for (int b = tid; b < 256; b += NT) {  // the grid's bins replace the block's
                 hcnt[b] = ldcg_u32(&R->cnt[b]);
                 hmass[b] = kind == 0 ? (u64)hcnt[b] : ldcg_u64(&R->mass[b]);
                 hkmax[b] = ldcg_u64(&R->kmax[b]);
             }
             csync();
+            SG_STAMP(3);
             if (tid < 32) {  // lane l: bins 255 - 8l ... 248 - 8l, in the order candidates run
                 const int b0 = 255 - 8 * lane;
                 u64 ls = 0;
@@ -164,11 +182,18 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
             prefix = res[0];
             above = res[1];
             target = res[4];
+            SG_STAMP(4);
             if (res[2] == 1 || pass == 7) { floor = res[3]; ++r; break; }  // pass 7: the key is the prefix
         }
     }
     csync();  // every thread has read res before thread 0 moves the round count on
     if (tid == 0) { s_sg_round = round0 + r; s_sg_used = r; }
+#ifdef TRACE
+    if (c.tr && tid == 0) {
+        c.tr[21] = r;
+        for (int i = 0; i < 5; ++i) c.tr[22 + i] = tsum[i];
+    }
+#endif
     return floor;
 }
 #endif
