@@ -35,16 +35,21 @@ def mass_f32(m):
     return np.float32(m / ONE)
 
 
+def pass_bins(keys, cand, p, prefix):
+    """A pass's candidates (those under the prefix so far), their 8-bit bins, and the bins' counts."""
+    shift = 56 - 8 * p
+    m = cand if p == 0 else cand & ((keys >> np.uint64(shift + 8)) == np.uint64(prefix))
+    bins = ((keys[m] >> np.uint64(shift)) & np.uint64(255)).astype(np.int64)
+    return m, bins, np.bincount(bins, minlength=256)
+
+
 def radix_select(keys, w, floor, kind, target):
     """sample.cuh radix_select (without its shared-memory list, which changes where candidates are
     read from, not which)."""
     cand = keys >= np.uint64(floor)
     prefix, above = 0, 0
     for p in range(8):
-        shift = 56 - 8 * p
-        m = cand if p == 0 else cand & ((keys >> np.uint64(shift + 8)) == np.uint64(prefix))
-        bins = ((keys[m] >> np.uint64(shift)) & np.uint64(255)).astype(np.int64)
-        cnt = np.bincount(bins, minlength=256)
+        m, bins, cnt = pass_bins(keys, cand, p, prefix)
         hist = [0] * 256
         for b, v in zip(bins, w[m]):
             hist[b] += int(v)
@@ -87,10 +92,7 @@ def grid_select(keys, w, floor, kind, frac=None, target=None):
     cand = keys >= np.uint64(floor)
     prefix, above = 0, 0
     for p in range(8):
-        shift = 56 - 8 * p
-        m = cand if p == 0 else cand & ((keys >> np.uint64(shift + 8)) == np.uint64(prefix))
-        bins = ((keys[m] >> np.uint64(shift)) & np.uint64(255)).astype(np.int64)
-        cnt = np.bincount(bins, minlength=256)
+        m, bins, cnt = pass_bins(keys, cand, p, prefix)
         val = [0] * 256
         kmax = [0] * 256
         for b, v, k in zip(bins, w[m], keys[m]):

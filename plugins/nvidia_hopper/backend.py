@@ -300,8 +300,9 @@ class HopperBackend(KernelBackend):
         self.d_run = self._alloc(S.NRUN * 8)
         self.d_prompt = self._alloc(self.T * 4)
         self.d_stops = self._alloc(256 * 4)
-        self.d_scratch = self._alloc(program.vocab_size * 8)
+        # sampled decoding's memory: the grid's rounds (sample_grid.cuh), or block 0's z and p (sample.cuh)
         self.d_sample_sync = self._alloc(S.sample_grid_bytes()) if self.sample_grid else 0
+        self.d_scratch = 0 if self.sample_grid else self._alloc(program.vocab_size * 8)
         self.h_out, self.d_out = self._host_mapped(self.T * 4 + 64)
         self.h_cnt, self.d_cnt = self._host_mapped(64)
         self.h_cancel, self.d_cancel = self._host_mapped(64)

@@ -22,6 +22,11 @@ __device__ __forceinline__ i64 ldi64(const i64* p) {
     asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(r) : "l"(p));
     return r;
 }
+__device__ __forceinline__ u32 ldu32(const u32* p) {
+    u32 r;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

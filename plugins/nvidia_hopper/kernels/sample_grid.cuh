@@ -25,17 +25,6 @@ struct SgRound { u64 mass[256]; u64 kmax[256]; u32 cnt[256]; };  // 5 KB of glob
 __shared__ u32 s_sg_round;  // rounds run in this launch (every block runs the same ones)
 __shared__ u32 s_sg_used;   // rounds the previous sampled token ran
 
-__device__ __forceinline__ u32 ldcg_u32(const u32* p) {
-    u32 r;
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ u64 ldcg_u64(const u64* p) {
-    u64 r;
-    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(r) : "l"(p));
-    return r;
-}
-
 // Trace build (context.cuh; thread 0 of each block, the sample stage's row): 20 keys ready, 21 rounds
 // run, 22-26 the rounds' summed ns in their histograms, global atomics, arrival (release + poll),
 // bins read and choice. Fields 10-19 and 28 stay 0: trace.py reads those as other stages' steps.
@@ -129,9 +118,9 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
             csync();
             SG_STAMP(2);
             for (int b = tid; b < 256; b += NT) {  // the grid's bins replace the block's
-                hcnt[b] = ldcg_u32(&R->cnt[b]);
-                hmass[b] = kind == 0 ? (u64)hcnt[b] : ldcg_u64(&R->mass[b]);
-                hkmax[b] = ldcg_u64(&R->kmax[b]);
+                hcnt[b] = ldu32(&R->cnt[b]);
+                hmass[b] = kind == 0 ? (u64)hcnt[b] : (u64)ldi64((const i64*)&R->mass[b]);
+                hkmax[b] = (u64)ldi64((const i64*)&R->kmax[b]);
             }
             csync();
             SG_STAMP(3);
