@@ -88,16 +88,16 @@ def grid_select(keys, w, floor, kind, frac=None, target=None):
     """sample_grid.cuh's select: the same passes, the target of a mass select from its first pass
     (frac times the float32 mass of the candidates), warp 0's choice by lanes of 8 bins (ballot of
     the lanes that reach the target among those with candidates), and an early end when the chosen
-    bin holds one candidate (its key: the bin's largest). Returns (key, passes)."""
+    bin holds one candidate (its key: the XOR of the bin's keys, as the kernel keeps it). Returns (key, passes)."""
     cand = keys >= np.uint64(floor)
     prefix, above = 0, 0
     for p in range(8):
         m, bins, cnt = pass_bins(keys, cand, p, prefix)
         val = [0] * 256
-        kmax = [0] * 256
+        kx = [0] * 256
         for b, v, k in zip(bins, w[m], keys[m]):
             val[b] += 1 if kind == 0 else int(v)
-            kmax[b] = max(kmax[b], int(k))
+            kx[b] ^= int(k)
         if p == 0 and kind != 0:
             target = to_fixed(np.float32(frac) * mass_f32(sum(val)))
         lanes = [list(range(255 - 8 * ln, 247 - 8 * ln, -1)) for ln in range(32)]
@@ -123,7 +123,7 @@ def grid_select(keys, w, floor, kind, frac=None, target=None):
             chosen, acc = last, acc_last
         prefix, above = (prefix << 8) | chosen, acc
         if cnt[chosen] == 1 or p == 7:
-            return kmax[chosen], p + 1
+            return kx[chosen], p + 1
     raise AssertionError("unreachable")
 
 

@@ -32,6 +32,19 @@ def _env_int(name: str, default: int, lo: int = 1, hi: int = 1 << 20) -> int:
     return int(v)
 
 
+def env_defines() -> dict[str, int]:
+    """KOG_HOPPER_DEFINES="NAME=VALUE,...": extra compile-time settings for experiments (what-if
+    builds such as matvec.cuh DEBUG_DOT, whose results are wrong on purpose). Upper-case names,
+    integer values; anything else is refused with the expected form."""
+    out = {}
+    for item in filter(None, os.environ.get("KOG_HOPPER_DEFINES", "").split(",")):
+        name, _, value = item.strip().partition("=")
+        if not (name.isidentifier() and name.isupper() and value.lstrip("-").isdigit()):
+            raise KogError(f"KOG_HOPPER_DEFINES: {item!r} is not NAME=INTEGER: use e.g. KOG_HOPPER_DEFINES=DEBUG_DOT=1,NSLOTS=5")
+        out[name] = int(value)
+    return out
+
+
 def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
     import ml_dtypes
     a = np.asarray(a)
@@ -268,8 +281,7 @@ class HopperBackend(KernelBackend):
             raise KogError(f"KOG_HOPPER_SMEM_ALIGN={smem_align}: use a power of two from 16 to 1024")
         if smem_align != 16:
             variant["SMEM_ALIGN"] = smem_align
-        if _env_int("KOG_HOPPER_WAIT_RELAXED", 0, lo=0, hi=1):  # relaxed polls, one acquire fence (common.cuh; an experiment)
-            variant["WAIT_RELAXED"] = 1
+        variant.update(env_defines())  # KOG_HOPPER_DEFINES: experiments' compile-time settings
         # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
         # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the
         # attention's divisions by its chunk count from a corrected float estimate)

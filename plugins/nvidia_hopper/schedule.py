@@ -346,9 +346,9 @@ def _attn_stage(P, ops, idxs, nb, nt, kv_bufs=2):
 
 
 def sample_radix_smem() -> int:
-    """Shared scratch of the sample stage's block-0 sampler (sample.cuh radix_select): two 256-bin
-    histograms (u64 masses, u32 counts), 4 u64 of state, the candidate list."""
-    return 256 * 8 + 256 * 4 + 4 * 8 + CONSTS["SAMPLE_CAP"] * 4
+    """Shared scratch of the sample stage's block-0 sampler (sample.cuh radix_select): 256 bins in
+    32-bit words (mass as two, count; sample.cuh Bins), 4 u64 of state, the candidate list."""
+    return 256 * 3 * 4 + 4 * 8 + CONSTS["SAMPLE_CAP"] * 4
 
 
 SAMPLE_GRID_MAX_EPT = 8  # candidates per thread the grid sampler holds in registers at most
@@ -360,9 +360,9 @@ def sample_grid_ept(vocab: int, nb: int, nt: int) -> int:
 
 
 def sample_grid_smem() -> int:
-    """Shared scratch of sample_grid.cuh: a block's 256 bins (u64 mass, u64 largest key, u32 count)
-    and the choice (5 u64)."""
-    return 256 * (8 + 8 + 4) + 5 * 8
+    """Shared scratch of sample_grid.cuh: two sets (by round parity) of 256 bins in 32-bit words
+    (mass as two, count, the keys' XOR as two; sample.cuh Bins)."""
+    return 2 * 256 * 5 * 4
 
 
 def sample_grid_bytes() -> int:

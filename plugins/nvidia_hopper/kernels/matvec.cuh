@@ -148,6 +148,9 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
         }
     }
     if (TAG_DOWN && tagged) {  // TAG_DOWN: re-read this thread's stale float4s (a plain input: no norm sum)
+        // (one float4 at a time: re-reading a whole batch in flight each round measured 0.9% slower
+        // than the default in session 11, where this version was +0.3% in session 10: the rounds'
+        // re-reads of the whole row load L2 while the rings stream)
 #pragma unroll 1
         for (int i = tid; i < K4; i += NT) {
             float4* p = x_f4(x, K, i);
@@ -234,6 +237,14 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
         *x_f4(x, K, i4) = s;
     }
 }
+
+// DEBUG_DOT (what-if builds for the perf notes, never for use; KOG_HOPPER_DEFINES=DEBUG_DOT=n; the
+// results are wrong on purpose): 1 the dot loop reads no input row from shared memory (constants
+// instead), 2 a warp reads and multiplies only its first row of each pair. They ask how much of a
+// consumer's time per item is the input row's shared-memory reads against the weights'.
+#ifndef DEBUG_DOT
+#define DEBUG_DOT 0
+#endif
 
 // Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
 // the item's k-slices in registers (a row group's slices are consecutive items of one block), and
@@ -326,10 +337,11 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             const float4* xh = (const float4*)(xs + g.w + (K >> 1)) + (g.x >> 3);
 #pragma unroll 4
             for (int i = ln; i < n8; i += 32) {
-                const uint4 a = wa[i], b = wb[i];
-                const float4 lo = xl[i], hi = xh[i];
+                const uint4 a = wa[i], b = DEBUG_DOT == 2 ? a : wb[i];
+                const float4 lo = DEBUG_DOT == 1 ? make_float4(1.f, 1.f, 1.f, 1.f) : xl[i];
+                const float4 hi = DEBUG_DOT == 1 ? make_float4(1.f, 1.f, 1.f, 1.f) : xh[i];
                 acc0 = dot8s(a, lo, hi, acc0);
-                acc1 = dot8s(b, lo, hi, acc1);
+                if (DEBUG_DOT == 2) acc1 = acc0; else acc1 = dot8s(b, lo, hi, acc1);
             }
         }
         // every consumer thread releases the slot itself: an arrive orders only its own thread's

@@ -50,35 +50,63 @@ __device__ __forceinline__ u32 match_any(int v) {
     asm volatile("match.any.sync.b32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
     return r;
 }
-__device__ __forceinline__ u32 redux_add(u32 mask, u32 v) {
-    u32 r;
-    asm volatile("redux.sync.add.u32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(mask));
-    return r;
-}
-__device__ __forceinline__ u32 redux_max(u32 mask, u32 v) {
-    u32 r;
-    asm volatile("redux.sync.max.u32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(mask));
-    return r;
-}
-// Adds v to bin b (b < 0: nothing) of the histograms, summed first over the warp's lanes with the
-// same bin: one shared atomic per distinct bin, not 32 on one address. With kmax (SAMPLE_GRID), the
-// bin's largest key too. Every lane must call.
-__device__ __forceinline__ void hist_add(u64* hist, u32* cnt, int b, u64 v, u64* kmax = nullptr, u64 key = 0) {
-    const u32 same = match_any(b);
-    if (b < 0) return;
-    // v < 2^41: three 20-bit parts, each summed over <= 32 lanes within 32 bits
-    const u32 s0 = redux_add(same, (u32)(v & 0xfffffu));
-    const u32 s1 = redux_add(same, (u32)((v >> 20) & 0xfffffu));
-    const u32 s2 = redux_add(same, (u32)(v >> 40));
-    u64 km = 0;
-    if (kmax) {  // the high word's maximum, then the low word's among the lanes that hold it
-        const u32 hi = redux_max(same, (u32)(key >> 32));
-        km = ((u64)hi << 32) | redux_max(same, (u32)(key >> 32) == hi ? (u32)key : 0u);
+// 256 bins in shared memory, every field a 32-bit word: shared-memory atomics are native only on 32
+// bits (a 64-bit add or max compiles to a compare-and-swap loop, ATOMS.CAST.SPIN.64). A bin's
+// 64-bit mass is two words, the low word's carry added into the high word (exact in any order).
+struct Bins { u32 mlo[256], mhi[256], cnt[256]; };
+__device__ __forceinline__ u64 bin_mass(const Bins* h, int b) { return (u64)h->mlo[b] | ((u64)h->mhi[b] << 32); }
+__device__ __forceinline__ void bins_zero(Bins* h, u32* kx) {
+    for (int b = threadIdx.x; b < 256; b += NT) {
+        h->mlo[b] = 0; h->mhi[b] = 0; h->cnt[b] = 0;
+        if (kx) { kx[b] = 0; kx[256 + b] = 0; }
     }
-    if ((int)(threadIdx.x & 31) == __ffs(same) - 1) {
-        atomicAdd((unsigned long long*)&hist[b], (unsigned long long)(s0 + ((u64)s1 << 20) + ((u64)s2 << 40)));
-        atomicAdd(&cnt[b], (u32)__popc(same));
-        if (kmax) atomicMax((unsigned long long*)&kmax[b], (unsigned long long)km);
+}
+// Warp-wide sums over all 32 lanes (an immediate full mask: one REDUX each; redux.sync with a mask
+// that differs between lanes, such as match.any's groups, compiles to a WARPSYNC.COLLECTIVE loop
+// over the distinct masks, which made each of the grid sampler's histograms ~4.6 us: session 11)
+__device__ __forceinline__ u32 warp_add_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.add.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ u32 warp_xor_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.xor.b32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+// One lane's atomics into bin b: mass s (the low word's carry into the high word), count n, keys' XOR.
+__device__ __forceinline__ void bin_add(Bins* h, int b, u64 s, u32 n, u32* kx, u64 kxv) {
+    const u32 old = atomicAdd(&h->mlo[b], (u32)s);
+    const u32 carry_hi = (u32)(s >> 32) + ((u32)(old + (u32)s) < old ? 1u : 0u);
+    if (carry_hi) atomicAdd(&h->mhi[b], carry_hi);
+    atomicAdd(&h->cnt[b], n);
+    if (kx) { atomicXor(&kx[b], (u32)kxv); atomicXor(&kx[256 + b], (u32)(kxv >> 32)); }
+}
+// Adds v to bin b (b < 0: nothing). When the warp's candidates fall in a few bins (a flat
+// distribution's first pass puts nearly all of them in two or three), each bin's sums are taken
+// over the warp first and one lane adds them, instead of 32 atomics on one address; spread over
+// more bins, every lane adds its own (few collisions). With kx ([2][256], SAMPLE_GRID), the XOR of
+// the bin's keys too, word by word: the key of the bin's candidate when it holds one, the only case
+// the grid sampler reads it. Every lane must call.
+#define HIST_FEW_BINS 4
+__device__ __forceinline__ void hist_add(Bins* h, int b, u64 v, u32* kx = nullptr, u64 key = 0) {
+    const int lane = threadIdx.x & 31;
+    const u32 same = match_any(b);
+    const u32 leaders = __ballot_sync(0xffffffffu, b >= 0 && lane == __ffs(same) - 1);
+    if (__popc(leaders) > HIST_FEW_BINS) {
+        if (b >= 0) bin_add(h, b, v, 1u, kx, key);
+        return;
+    }
+    for (u32 todo = leaders; todo; todo &= todo - 1) {  // warp-uniform: one bin at a time
+        const int l = __ffs(todo) - 1;
+        const bool mine = b == __shfl_sync(0xffffffffu, b, l);
+        // v < 2^41: three 20-bit parts, each summed over <= 32 lanes within 32 bits
+        const u32 s0 = warp_add_u32(mine ? (u32)(v & 0xfffffu) : 0u);
+        const u32 s1 = warp_add_u32(mine ? (u32)((v >> 20) & 0xfffffu) : 0u);
+        const u32 s2 = warp_add_u32(mine ? (u32)(v >> 40) : 0u);
+        u64 kxv = 0;
+        if (kx) kxv = (u64)warp_xor_u32(mine ? (u32)key : 0u) | ((u64)warp_xor_u32(mine ? (u32)(key >> 32) : 0u) << 32);
+        if (lane == l) bin_add(h, b, (u64)s0 + ((u64)s1 << 20) + ((u64)s2 << 40), (u32)__popc(same), kx, kxv);
     }
 }
 // The fixed-point mass of the candidates with key >= th (a deterministic block sum).
@@ -102,16 +130,15 @@ __device__ __noinline__ u64 mass_fixed(const float* z, const float* p, int V, u6
 // target); the lowest candidate if it never does. MSB first, 8 bits a pass; bins without
 // candidates are never chosen.
 __device__ __noinline__ u64 radix_select(const float* z, const float* p, int V, int kind, u64 target, u64 floor) {
-    u64* hist = (u64*)smem_f();   // [256] counts or fixed-point masses of the next byte's bins
-    u32* cnt = (u32*)(hist + 256);  // [256] candidates per bin
-    u64* sel = (u64*)(cnt + 256);   // prefix, mass or count above it, candidates under it, list size
+    Bins* hist = (Bins*)smem_f();   // the next byte's bins: counts or fixed-point masses, candidates
+    u64* sel = (u64*)(hist + 1);    // prefix, mass or count above it, candidates under it, list size
     u32* list = (u32*)(sel + 4);    // [SAMPLE_CAP] the candidates under the prefix, once that few
     const int tid = threadIdx.x;
     u64 prefix = 0, above = 0;
     int nlist = -1;  // -1: passes read the whole vocabulary
     for (int pass = 0; pass < 8; ++pass) {
         const int shift = 56 - 8 * pass;
-        for (int b = tid; b < 256; b += NT) { hist[b] = 0; cnt[b] = 0; }
+        bins_zero(hist, nullptr);
         csync();
         const int n = nlist < 0 ? V : nlist;
         for (int j0 = 0; j0 < n; j0 += NT) {  // every lane takes part in hist_add's warp primitives
@@ -126,15 +153,15 @@ __device__ __noinline__ u64 radix_select(const float* z, const float* p, int V, 
                     v = kind == 0 ? 1ull : fixed_mass(p[i]);
                 }
             }
-            hist_add(hist, cnt, b, v);
+            hist_add(hist, b, v);
         }
         csync();
         if (tid == 0) {
             u64 acc = above, acc_last = above;
             int chosen = -1, lastnz = -1;
             for (int b = 255; b >= 0; --b) {
-                if (cnt[b] == 0) continue;
-                const u64 nx = acc + hist[b];
+                if (hist->cnt[b] == 0) continue;
+                const u64 nx = acc + bin_mass(hist, b);
                 lastnz = b;
                 acc_last = acc;
                 if (kind == 2 ? nx > target : nx >= target) { chosen = b; break; }
@@ -143,7 +170,7 @@ __device__ __noinline__ u64 radix_select(const float* z, const float* p, int V, 
             if (chosen < 0) { chosen = lastnz; acc = acc_last; }  // never reached: the lowest candidate
             sel[0] = (prefix << 8) | (u64)chosen;
             sel[1] = acc;
-            sel[2] = cnt[chosen];
+            sel[2] = hist->cnt[chosen];
             sel[3] = 0;
         }
         csync();

@@ -7,12 +7,14 @@
 // 217) against greedy's 720 (session 10, call 1). Here each block keeps its slice of the
 // vocabulary (SAMPLE_EPT candidates per thread) in registers for the whole token, and each pass
 // of the radix select (sample.cuh, the same definitions) is one grid-wide round:
-//   1. the block's candidates go into 256-bin shared histograms (mass, count, largest key);
+//   1. the block's candidates go into 256-bin shared histograms (mass, count, XOR of the keys);
 //   2. its non-empty bins are added into this round's global bins (atomics at L2);
 //   3. it counts its arrival (release) and waits for every block's (acquire);
-//   4. the block reads the 256 global bins, and warp 0 chooses; every block chooses the same bin, since the
-//      sums are integers (the same in any order): nothing is broadcast.
-// A select ends as soon as its chosen bin holds one candidate (that bin's largest key is the
+//   4. the block reads the 256 global bins and every warp chooses; every block and warp chooses the
+//      same bin, since the sums are integers (the same in any order): nothing is broadcast.
+// Two sets of shared bins alternate by round, so each round zeroes the next one's set on the way:
+// four barriers a round.
+// A select ends as soon as its chosen bin holds one candidate (that bin's keys' XOR is the
 // candidate's key), usually after 3-4 passes instead of 8. A top-p or draw select's target comes
 // from its first pass: the sum of all bins is the mass of the candidates above the floor.
 // Rounds are counted over the launch (one arrival counter, never reset); each token's rounds use
@@ -21,7 +23,7 @@
 // before the next token's atomics). The host zeroes both sets and the counter at each launch.
 #if SAMPLE_GRID
 // SG_ROUNDS (schedule.CONSTS, which also sizes the global bins): rounds a token at most
-struct SgRound { u64 mass[256]; u64 kmax[256]; u32 cnt[256]; };  // 5 KB of global bins
+struct SgRound { u64 mass[256]; u64 kx[256]; u32 cnt[256]; };  // 5 KB of global bins (kx: the keys' XOR)
 __shared__ u32 s_sg_round;  // rounds run in this launch (every block runs the same ones)
 __shared__ u32 s_sg_used;   // rounds the previous sampled token ran
 
@@ -78,10 +80,12 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
     const int topk = (int)run[R_TOPK];
     const float topp = __int_as_float((int)run[R_TOPP]);
     const float u = (float)(philox_w0((u64)run[R_SEED], (u32)n) >> 8) * (1.0f / 16777216.0f);
-    u64* hmass = (u64*)smem_f();   // [256] this block's bins
-    u64* hkmax = hmass + 256;      // [256]
-    u32* hcnt = (u32*)(hkmax + 256);  // [256]
-    u64* res = (u64*)(hcnt + 256);    // the choice: prefix, mass above, count, key, target
+    // two sets of shared bins (this block's, then the grid's), by round parity: a round zeroes the
+    // next round's set while nobody reads it, so no barrier is spent on zeroing
+    Bins* hs = (Bins*)smem_f();
+    u32* kxs = (u32*)(hs + 2);     // [2][2][256] the bins' keys' XOR, low and high words
+    bins_zero(hs, kxs);
+    csync();
     u64 floor = 0;  // candidates: key >= floor; each select's result is the next one's floor
     u32 r = 0;      // rounds this token
     for (int kind = 0; kind < 3; ++kind) {  // 0: top-k (counts), 1: top-p (masses), 2: the draw
@@ -90,23 +94,25 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
         u64 prefix = 0, above = 0, target = (u64)topk;
         for (int pass = 0; pass < 8; ++pass, ++r) {
             const int shift = 56 - 8 * pass;
+            Bins* h = hs + (r & 1);
+            u32* hkx = kxs + (r & 1) * 512;
             SG_STAMP(-1);
-            for (int b = tid; b < 256; b += NT) { hmass[b] = 0; hkmax[b] = 0; hcnt[b] = 0; }
-            csync();
 #pragma unroll
             for (int k = 0; k < SAMPLE_EPT; ++k) {
                 const u64 cb = key[k];
                 const bool in = cb != 0 && cb >= floor && (pass == 0 || (cb >> (shift + 8)) == prefix);
-                hist_add(hmass, hcnt, in ? (int)(cb >> shift) & 255 : -1, kind == 0 ? 1ull : mass[k], hkmax, cb);
+                hist_add(h, in ? (int)(cb >> shift) & 255 : -1, kind == 0 ? 1ull : mass[k], hkx, cb);
             }
             csync();
             SG_STAMP(0);
             SgRound* R = set + r;
             for (int b = tid; b < 256; b += NT) {
-                if (!hcnt[b]) continue;
-                atomicAdd((unsigned long long*)&R->mass[b], (unsigned long long)hmass[b]);
-                atomicAdd(&R->cnt[b], hcnt[b]);
-                atomicMax((unsigned long long*)&R->kmax[b], (unsigned long long)hkmax[b]);
+                if (!h->cnt[b]) continue;
+                // reductions in global memory, named as such: through a generic pointer the compiler
+                // also emits a shared-memory path (a compare-and-swap loop) for each
+                asm volatile("red.global.add.u64 [%0], %1;" :: "l"(&R->mass[b]), "l"(bin_mass(h, b)) : "memory");
+                asm volatile("red.global.add.u32 [%0], %1;" :: "l"(&R->cnt[b]), "r"(h->cnt[b]) : "memory");
+                asm volatile("red.global.xor.b64 [%0], %1;" :: "l"(&R->kx[b]), "l"((u64)hkx[b] | ((u64)hkx[256 + b] << 32)) : "memory");
             }
             csync();  // the block's atomics before thread 0's release (as the stage counters)
             SG_STAMP(1);
@@ -117,65 +123,68 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
             }
             csync();
             SG_STAMP(2);
+            bins_zero(hs + ((r + 1) & 1), kxs + ((r + 1) & 1) * 512);  // last read in round r - 1's choice
             for (int b = tid; b < 256; b += NT) {  // the grid's bins replace the block's
-                hcnt[b] = ldu32(&R->cnt[b]);
-                hmass[b] = kind == 0 ? (u64)hcnt[b] : (u64)ldi64((const i64*)&R->mass[b]);
-                hkmax[b] = (u64)ldi64((const i64*)&R->kmax[b]);
+                h->cnt[b] = ldu32(&R->cnt[b]);
+                const u64 m = (u64)ldi64((const i64*)&R->mass[b]), kx = (u64)ldi64((const i64*)&R->kx[b]);
+                h->mlo[b] = (u32)m; h->mhi[b] = (u32)(m >> 32);
+                hkx[b] = (u32)kx; hkx[256 + b] = (u32)(kx >> 32);
             }
             csync();
             SG_STAMP(3);
-            if (tid < 32) {  // lane l: bins 255 - 8l ... 248 - 8l, in the order candidates run
-                const int b0 = 255 - 8 * lane;
-                u64 ls = 0;
-                bool any = false;
+            // every warp makes the same choice from the same bins (nothing to broadcast, and the
+            // warp-wide steps run converged); lane l: bins 255 - 8l ... 248 - 8l, in the order candidates run
+            const int b0 = 255 - 8 * lane;
+            u64 ls = 0;
+            bool any = false;
 #pragma unroll
-                for (int j = 0; j < 8; ++j) { ls += hmass[b0 - j]; any |= hcnt[b0 - j] != 0; }
-                if (pass == 0 && kind != 0) {  // the mass above the floor: a float32 product, as the CPU
-                    u64 tot = ls;
+            for (int j = 0; j < 8; ++j) { ls += bin_mass(h, b0 - j); any |= h->cnt[b0 - j] != 0; }
+            if (pass == 0 && kind != 0) {  // the mass above the floor: a float32 product, as the CPU
+                u64 tot = ls;
 #pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
-                    target = fixed_mass(__fmul_rn(kind == 1 ? topp : u, mass_f32(tot)));
-                }
-                u64 inc = ls;  // running total over the lanes before this one, then this one
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const u64 t = __shfl_up_sync(0xffffffffu, inc, o);
-                    if (lane >= o) inc += t;
-                }
-                const u64 reach = above + inc;
-                // lanes without candidates add nothing: the crossing is in one with some
-                const u32 hit = __ballot_sync(0xffffffffu, any && (kind == 2 ? reach > target : reach >= target));
-                const u32 nz = __ballot_sync(0xffffffffu, any);
-                // the first lane that reaches the target; if none does, the lowest candidate's
-                const int L = hit ? __ffs(hit) - 1 : nz ? 31 - __clz(nz) : 0;
-                if (lane == L) {
-                    u64 acc = reach - ls, acc_last = acc;
-                    int chosen = -1, last = b0;
-                    for (int b = b0; b > b0 - 8; --b) {
-                        if (!hcnt[b]) continue;
-                        const u64 nx = acc + hmass[b];
-                        last = b;
-                        acc_last = acc;
-                        if (hit && (kind == 2 ? nx > target : nx >= target)) { chosen = b; break; }
-                        acc = nx;
-                    }
-                    if (chosen < 0) { chosen = last; acc = acc_last; }
-                    res[0] = (prefix << 8) | (u64)chosen;
-                    res[1] = acc;
-                    res[2] = nz ? hcnt[chosen] : 1;  // no candidate at all cannot happen; end the select
-                    res[3] = nz ? hkmax[chosen] : floor;
-                    res[4] = target;
-                }
+                for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+                target = fixed_mass(__fmul_rn(kind == 1 ? topp : u, mass_f32(tot)));
             }
-            csync();
-            prefix = res[0];
-            above = res[1];
-            target = res[4];
+            u64 inc = ls;  // running total over the lanes before this one, then this one
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u64 t = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += t;
+            }
+            const u64 reach = above + inc;
+            // lanes without candidates add nothing: the crossing is in one with some
+            const u32 hit = __ballot_sync(0xffffffffu, any && (kind == 2 ? reach > target : reach >= target));
+            const u32 nz = __ballot_sync(0xffffffffu, any);
+            // the first lane that reaches the target; if none does, the lowest candidate's
+            const int L = hit ? __ffs(hit) - 1 : nz ? 31 - __clz(nz) : 0;
+            u64 acc = reach - ls;
+            int chosen = -1;
+            if (lane == L) {
+                u64 acc_last = acc;
+                int last = b0;
+                for (int b = b0; b > b0 - 8; --b) {
+                    if (!h->cnt[b]) continue;
+                    const u64 nx = acc + bin_mass(h, b);
+                    last = b;
+                    acc_last = acc;
+                    if (hit && (kind == 2 ? nx > target : nx >= target)) { chosen = b; break; }
+                    acc = nx;
+                }
+                if (chosen < 0) { chosen = last; acc = acc_last; }
+            }
+            chosen = __shfl_sync(0xffffffffu, chosen, L);
+            above = __shfl_sync(0xffffffffu, acc, L);
+            prefix = (prefix << 8) | (u64)chosen;
+            const u32 count = nz ? h->cnt[chosen] : 1u;  // no candidate at all cannot happen; end the select
             SG_STAMP(4);
-            if (res[2] == 1 || pass == 7) { floor = res[3]; ++r; break; }  // pass 7: the key is the prefix
+            if (count == 1 || pass == 7) {  // pass 7: the key is the prefix
+                floor = nz ? (u64)hkx[chosen] | ((u64)hkx[256 + chosen] << 32) : floor;  // the bin's one key
+                ++r;
+                break;
+            }
         }
     }
-    csync();  // every thread has read res before thread 0 moves the round count on
+    csync();  // every warp has made its last choice from the bins: the stage scratch is free again
     if (tid == 0) { s_sg_round = round0 + r; s_sg_used = r; }
 #ifdef TRACE
     if (c.tr && tid == 0) {
