@@ -760,3 +760,18 @@ def test_experiment_defines_are_checked(monkeypatch):
         monkeypatch.setenv("KOG_HOPPER_DEFINES", bad)
         with pytest.raises(KogError, match="NAME=INTEGER"):
             env_defines()
+
+
+def test_deferred_norm_build_compiles_and_leaves_the_default_alone():
+    """KOG_HOPPER_DEFER_NORM=1 (an experiment, off; written after session 11's last device call):
+    no spills, also with the norm weights in local memory and in the trace build; its per-warp sums
+    of squares keep the dynamic shared memory on a 128-byte boundary; the default build has none
+    of its code."""
+    from kog_nvidia_hopper import schedule as S
+    cubin, log, _ = _compile_clean(**DEFAULT, DEFER_NORM=1)
+    _compile_clean(**dict(DEFAULT, NORM_SMEM=0), DEFER_NORM=1)
+    _compile_clean(**DEFAULT, DEFER_NORM=1, TRACE=1)
+    assert _static_smem(log) % 128 == 0
+    assert _static_smem(log) == _static_smem(_compile(**DEFAULT)[1]) + S.DEFER_NORM_LANES * DEFAULT["NT"] // 32 * 4
+    default, _, _ = _compile(**DEFAULT)
+    assert default != cubin

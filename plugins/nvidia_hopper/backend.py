@@ -281,6 +281,14 @@ class HopperBackend(KernelBackend):
             raise KogError(f"KOG_HOPPER_SMEM_ALIGN={smem_align}: use a power of two from 16 to 1024")
         if smem_align != 16:
             variant["SMEM_ALIGN"] = smem_align
+        if _env_int("KOG_HOPPER_DEFER_NORM", 0, lo=0, hi=1):  # the norm's division in the epilogue (matvec.cuh; an experiment)
+            variant["DEFER_NORM"] = 1
+            normed = [i for i, st in enumerate(stages)
+                      if st.type == "matvec" and int(st.f.get("MV_IN_MODE") or 0) & S.CONSTS["IN_NORM"]]
+            most = int(binfo[normed, :, 2].max()) if normed else 0
+            if most > S.DEFER_NORM_LANES:
+                raise KogError(f"KOG_HOPPER_DEFER_NORM=1: a block takes {most} input rows of a normed stage, more "
+                               f"than the {S.DEFER_NORM_LANES} it keeps sums for; unset KOG_HOPPER_DEFER_NORM")
         variant.update(env_defines())  # KOG_HOPPER_DEFINES: experiments' compile-time settings
         # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
         # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the

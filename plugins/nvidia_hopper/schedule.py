@@ -351,6 +351,7 @@ def sample_radix_smem() -> int:
     return 256 * 3 * 4 + 4 * 8 + CONSTS["SAMPLE_CAP"] * 4
 
 
+DEFER_NORM_LANES = 16  # matvec.cuh DEFER_NORM_LANES: input rows of one block whose sums of squares it keeps
 SAMPLE_GRID_MAX_EPT = 8  # candidates per thread the grid sampler holds in registers at most
 
 

@@ -260,3 +260,26 @@ def test_tag_down_matches_reference(name, monkeypatch):
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=4, max_tokens=64)
     finally:
         hb.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "laneformer-lane"])
+def test_defer_norm_matches_reference(name, monkeypatch):
+    """KOG_HOPPER_DEFER_NORM=1 (an experiment, session 11): a normed stage multiplies its rows by the
+    norm weights as they land and divides each dot product by d in the epilogue. Logits at every
+    position and greedy tokens still match the reference; the Laneformer case has several input
+    rows (lanes) per block, each with its own d."""
+    monkeypatch.setenv("KOG_HOPPER_DEFER_NORM", "1")
+    if name.startswith("laneformer"):
+        pytest.importorskip("kog_laneformer")
+        from .hopper_models import laneformer_model
+        arch, prog, w = laneformer_model(name)
+    elif name not in SMALL:
+        pytest.skip(f"no small model {name!r}")
+    else:
+        arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("DEFER_NORM") == 1
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=5, max_tokens=64)
+    finally:
+        hb.close()

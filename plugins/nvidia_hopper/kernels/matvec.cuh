@@ -79,6 +79,24 @@ __device__ __forceinline__ float4 ldcg4_volatile(const float4* p) {  // re-read 
     return r;
 }
 
+// DEFER_NORM (an experiment, session 11, never run on the GPU; KOG_HOPPER_DEFER_NORM=1): a normed
+// stage computes W (x / d * w) as (W (x * w)) / d. The loader stores x * w as its loads land and
+// leaves each warp's partial sum of squares in s_normsq; the division by d = sqrt(mean(x^2) + eps)
+// moves to each row group's epilogue. The block reduction (three barriers) and the separate
+// normalise pass leave the stage's critical path: per the trace they are ~0.4 + ~0.5 us of the
+// ~2 us from a normed stage's wait to its first item (qkv, gate/up). The rounding differs from the
+// reference's (one division of the dot product instead of one per element): within fp32 noise.
+#ifndef DEFER_NORM
+#define DEFER_NORM 0
+#endif
+#define DEFER_NORM_LANES 16  // input rows (lanes) of one block a deferred-norm stage may take (backend.py checks)
+#if DEFER_NORM
+__shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]: partial sums of x^2
+#endif
+#if DEFER_NORM && X_CPASYNC
+#error "DEFER_NORM multiplies by the norm weights on the register path only: not with X_CPASYNC"
+#endif
+
 // NORM_RCP (the backend sets it by default since v18b; KOG_HOPPER_NORM_RCP=0 for the division):
 // the normalise pass divides by d through d's correctly rounded reciprocal r and one FMA residual
 // (Markstein): q = x r, x / d = q + (x - q d) r, rounded once; the correctly rounded quotient for
@@ -99,7 +117,7 @@ __device__ __forceinline__ float div_by(float x, float d, float r) {
 // (A pointer: wpre lives in local memory. Kept in registers instead, the kernel spills 56 bytes
 // elsewhere, in the attention and the stage loop.) nws (NORM_SMEM): the same weights copied by this
 // thread into shared memory with cp.async (null: not there); each thread reads only its own copies.
-__device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, const uint2* wpre, const u16* nws) {
+__device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float* x, const uint2* wpre, const u16* nws) {
     const i64* st = s_desc[c.dcur];
     const int K = (int)st[MV_K], K4 = K >> 2;
     const int mode = (int)st[MV_IN_MODE];
@@ -136,13 +154,20 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
                     }
                 }
             }
+            const bool defer = DEFER_NORM && (mode & IN_NORM);
+            if (defer && NORM_SMEM && nws && base == 0) cp_wait_all();  // this thread's own norm-weight copies
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
                 if (i < K4) {
-                    *x_f4(x, K, i) = v[u];
                     ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
                     ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
+                    if (defer) {  // x * w now, the division by d in the epilogue
+                        const uint2 w = (NORM_SMEM && nws) ? *(const uint2*)(nws + 4 * i)
+                                      : wpre ? wpre[u] : *(const uint2*)(nw + 4 * i);
+                        v[u].x *= bf_lo(w.x); v[u].y *= bf_hi(w.x); v[u].z *= bf_lo(w.y); v[u].w *= bf_hi(w.y);
+                    }
+                    *x_f4(x, K, i) = v[u];
                 }
             }
         }
@@ -161,6 +186,13 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, float* x, cons
         }
     }
     TMARK(c, 14);  // thread 0's input loads landed
+#if DEFER_NORM
+    if (mode & IN_NORM) {  // the warp's partial sum of squares; the caller's barrier publishes it
+        ss = warp_sum(ss);
+        if ((tid & 31) == 0) s_normsq[li * NW + (tid >> 5)] = ss;
+        return;
+    }
+#endif
     if (mode & IN_NORM) {
         const float tot = block_sum(ss);  // includes the barrier
         TMARK(c, 15);
@@ -290,7 +322,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             mv_load_attn(c, lane0 + l, xs + l * K, xs + nl * K);
             csync();  // the chunk weights are reused by the next lane
         } else {
-            mv_load_x(c, lane0 + l, xs + l * K, pre_norm && l == 0 ? wpre : nullptr, l == 0 ? nws : nullptr);
+            mv_load_x(c, lane0 + l, l, xs + l * K, pre_norm && l == 0 ? wpre : nullptr, l == 0 ? nws : nullptr);
         }
     }
     csync();
@@ -351,6 +383,17 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         acc0 = warp_sum(acc0);
         acc1 = warp_sum(acc1);
         if (ln != 0 || !va) continue;
+#if DEFER_NORM
+        if (mode & IN_NORM) {  // the deferred norm: d of this row group's input row (its lane)
+            const float* pss = s_normsq + (lane - lane0) * NW;
+            float tot = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) tot += pss[w];
+            const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));
+            acc0 = __fdiv_rn(acc0, d);
+            acc1 = __fdiv_rn(acc1, d);
+        }
+#endif
         float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
         if ((flags & MVF_LOGITS) && c.logits_mode)
             out = c.logits_all + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
