@@ -556,8 +556,10 @@ def test_tag_down_build_compiles_and_leaves_the_default_alone():
 
 def test_both_samplers_compile_with_warp_match_and_reduce():
     """Sampled decoding on every block (SAMPLE_GRID, the default; up to SAMPLE_GRID_MAX_EPT
-    candidates per thread) and on block 0 (the fallback): no spills either way; the histograms are
-    filled through match.any + redux.sync (one shared atomic per distinct bin)."""
+    candidates per thread) and on block 0 (the fallback): no spills either way; the histograms
+    group a warp's lanes by bin (match.any) and sum each group with full-warp redux.sync only: a
+    member mask that differs between lanes compiles to a WARPSYNC.COLLECTIVE loop (session 11)."""
+    import re
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.cuda_util import source
     block = {k: v for k, v in DEFAULT.items() if k not in ("SAMPLE_GRID", "SAMPLE_EPT")}
@@ -565,7 +567,10 @@ def test_both_samplers_compile_with_warp_match_and_reduce():
     _compile_clean(**dict(DEFAULT, SAMPLE_EPT=S.SAMPLE_GRID_MAX_EPT))
     for v in (block, DEFAULT):
         assert "match.any.sync" in source(S.header(v))
-    assert "redux.sync.xor.b32" in source(S.header(DEFAULT))  # the bins' keys' XOR
+    src = source(S.header(DEFAULT))
+    assert "redux.sync.xor.b32" in src  # the bins' keys' XOR
+    reduxes = re.findall(r"redux\.sync\.[a-z0-9.]+ [^;]*;", src)
+    assert reduxes and all(r.endswith("0xffffffff;") for r in reduxes), reduxes
     assert S.sample_radix_smem() == 256 * 12 + 32 + 4 * S.CONSTS["SAMPLE_CAP"]
     assert S.sample_grid_smem() == 2 * 256 * 20
     default, _, _ = _compile(**DEFAULT)
