@@ -780,3 +780,12 @@ def test_deferred_norm_build_compiles_and_leaves_the_default_alone():
     assert _static_smem(log) == _static_smem(_compile(**DEFAULT)[1]) + S.DEFER_NORM_LANES * DEFAULT["NT"] // 32 * 4
     default, _, _ = _compile(**DEFAULT)
     assert default != cubin
+
+
+def test_sass_report_builds_the_default():
+    """sass_report's build is the backend's default for bench-2b: the compile tests' DEFAULT plus
+    the ring and bench-2b's attention shapes (it once lagged three versions behind)."""
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
+    shapes = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    assert DEFAULT_BUILD == dict(DEFAULT, **shapes, NSLOTS=6, SLOT_BYTES=31744, RING_OFF=32768, PREFETCH=0)
