@@ -360,13 +360,14 @@ def test_trace_summary_reads_a_synthetic_trace():
     import numpy as np
     from kog_nvidia_hopper.trace import summarize
     ntok, nst, nb = 4, 4, 5
-    tr = np.zeros((ntok, nst, nb, 29), np.uint64)
+    tr = np.zeros((ntok, nst, nb, 31), np.uint64)
     t = 1_000_000
     for k in range(ntok):
         for s in range(nst):
             for b in range(nb):
                 tr[k, s, b, :4] = [t, t + 1000, t + 1500, t + 4000 + 100 * b]
                 tr[k, s, b, 7] = b
+                tr[k, s, b, 29:31] = [t + 4200 + 100 * b, t + 4900 + 100 * b]  # signal warp: +0.2, fence 0.7
                 if s == 1:  # attention phases, and the first sub-chunk's steps 200 ns apart
                     tr[k, s, b, 10:14] = [t + 1600, t + 1700, t + 2900, t + 3000]
                     tr[k, s, b, 16:20] = [t + 1900, t + 2100, t + 2300, t + 2500]
@@ -385,6 +386,9 @@ def test_trace_summary_reads_a_synthetic_trace():
     assert "first sub-chunk" not in lines[1] and "first sub-chunk" not in lines[3]
     assert "sampler: keys 0.50, 6 rounds: histograms / atomics / arrival / bins / choice 1.20 / 0.60 / 3.02 / 1.80 / 0.30" in lines[4]
     assert all("sampler" not in line for line in lines[1:4])
+    # the last fence of a stage at +5.3 us from its entry, the next stage's wait done at +5.4
+    assert all("release: signal warp +0.20, fence 0.70; waited 0.10 after the last fence" in line for line in lines[1:5])
+    assert "release" not in "\n".join(summarize(tr[..., :29], ["matvec[a]", "attn[attention]", "matvec[b]", "sample[sample]"]))
     assert "most often last SM" in lines[-1] and "4x" in lines[-1]
 
 

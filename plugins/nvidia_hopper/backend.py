@@ -302,7 +302,7 @@ class HopperBackend(KernelBackend):
         self.d_trace = 0
         if self.trace_it0 is not None:  # timestamps of 4 tokens from this iteration on (trace.py)
             variant["TRACE"] = 1
-            self.trace_shape = (4, len(stages), self.nb, 29)  # context.cuh TRACE_W
+            self.trace_shape = (4, len(stages), self.nb, 31)  # context.cuh TRACE_W
             self.d_trace = self._alloc(int(np.prod(self.trace_shape)) * 8)
         self.smem = scratch + nslots * slot_bytes
         self.variant = variant
@@ -539,7 +539,7 @@ class HopperBackend(KernelBackend):
         return out
 
     def read_trace(self) -> np.ndarray:
-        """The last launch's timestamps [token, stage, block, 29] (context.cuh, TRACE builds)."""
+        """The last launch's timestamps [token, stage, block, 31] (context.cuh, TRACE builds)."""
         out = np.zeros(self.trace_shape, np.uint64)
         check(self.drv.cuMemcpyDtoH(out.ctypes.data, self.d_trace, out.nbytes), "cuMemcpyDtoH(trace)")
         return out

@@ -15,7 +15,7 @@ import numpy as np
 
 
 def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
-    """Text report of a trace [token, stage, block, 29] (ns; fields: context.cuh "trace"). Times
+    """Text report of a trace [token, stage, block, 29 or 31] (ns; fields: context.cuh "trace"). Times
     are medians over the tokens.
     Per stage: chain = last block done - previous stage's last block done; lat = median block's
     wait end - previous last done (signal propagation); load/work = median block; spread = last
@@ -28,15 +28,19 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
     start, q/k/v + RoPE, first K/V, loop, partials, then its sub-chunk's steps. Matvec stages with
     an input loader: when its input landed (thread 0) and the norm's sum done. The grid sampler's
     stage (sampled decoding): its keys ready after the wait, its rounds, and the rounds' summed
-    histograms / atomics / arrival / bins read / choice."""
+    histograms / atomics / arrival / bins read / choice. With the signal warp's stamps (fields 29-30):
+    its release of the stage after the block's done (median), the release's fence, and how long
+    after the previous stage's last fence the median block's wait ended (lat without the fences)."""
     tr = tr.astype(np.int64)
-    ntok, nst, nb, _ = tr.shape
+    ntok, nst, nb, ntr = tr.shape
     rows = []
     for k in range(ntok):
         t = tr[k]
         if not t[:, :, 3].all():
             continue
         prev_done = t[-1, :, 3].max() if k == 0 else tr[k - 1, -1, :, 3].max()
+        # the signal warp's releases (fields 29-30): the previous stage's last fence
+        prev_fence = (t[-1, :, 30] if k == 0 else tr[k - 1, -1, :, 30]).max() if ntr >= 31 else 0
         r = []
         for s in range(nst):
             done = t[s, :, 3]
@@ -72,8 +76,15 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
             if t.shape[-1] >= 27 and t[s, :, 21].all() and not tiles.any():
                 sg = [np.median(t[s, :, 20] - t[s, :, 1]), np.median(t[s, :, 21]) * 1e3,
                       *[np.median(t[s, :, f]) for f in range(22, 27)]]
-            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub, *hot, *sg))
+            rs = [0.0] * 3  # release: block done -> signal warp's release begins, its fence; this wait after the last fence
+            if ntr >= 31 and t[s, :, 30].all():
+                rs[0] = np.median(t[s, :, 29] - done)
+                rs[1] = np.median(t[s, :, 30] - t[s, :, 29])
+            if ntr >= 31 and prev_fence:
+                rs[2] = np.median(t[s, :, 1]) - prev_fence
+            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub, *hot, *sg, *rs))
             prev_done = done.max()
+            prev_fence = t[s, :, 30].max() if ntr >= 31 else 0
         rows.append(r)
     if not rows:
         return ["trace: no complete token recorded (was the request long enough?)"]
@@ -96,6 +107,10 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
                      "choice " + " / ".join(f"{v:.2f}" for v in c[31:36]))
         if c[15]:
             line += f"  load: input landed {c[15]:.2f}" + (f", norm sum {c[16]:.2f}" if c[16] else "")
+        if len(c) > 38 and c[37]:
+            line += f"  release: signal warp +{c[36]:.2f}, fence {c[37]:.2f}"
+        if len(c) > 38 and c[38]:
+            line += f"; waited {c[38]:.2f} after the last fence"
         out.append(line)
     by = {}
     for s in range(nst):

@@ -66,7 +66,7 @@ typedef long long i64;
 // fence and atomic store of s_staged; the atomic read here, followed by the release add's fence,
 // carries them on to the blocks that wait on the counter (atomics on both sides: racecheck).
 // Exits when the request ends, after the last stage's add.
-__device__ __noinline__ void signal_stages(u32* counters, int nst) {
+__device__ __noinline__ void signal_stages(u32* counters, int nst, const i64* run) {
     if ((threadIdx.x & 31) != 0) return;
     u32 done = 0;
     for (;;) {
@@ -75,7 +75,16 @@ __device__ __noinline__ void signal_stages(u32* counters, int nst) {
             if (atomicAdd(&s_done, 0) && (u32)atomicAdd(&s_staged, 0u) == done) return;
             continue;
         }
-        for (; done < now; ++done) red_release(counters + done % (u32)nst, 1u);
+        for (; done < now; ++done) {
+#ifdef TRACE
+            u64* tr = trace_row(run, (int)(done / (u32)nst), (int)(done % (u32)nst), nst);
+            if (tr) tr[29] = gtimer();
+#endif
+            red_release(counters + done % (u32)nst, 1u);
+#ifdef TRACE
+            if (tr) tr[30] = gtimer();  // after the fence: the add is issued once it completes
+#endif
+        }
     }
 }
 
@@ -109,7 +118,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     }
     __syncthreads();  // the last barrier of all NTHREADS: from here on the producer warp goes its own way
     if (SIGNAL_WARP && threadIdx.x >= NT + 32) {
-        signal_stages(counters, nst);
+        signal_stages(counters, nst, run);
         return;
     }
     if (threadIdx.x >= NT) {
