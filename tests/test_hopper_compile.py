@@ -793,3 +793,15 @@ def test_sass_report_builds_the_default():
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
     shapes = S.attention_shape_consts(_bench2b_stages_as_loaded())
     assert DEFAULT_BUILD == dict(DEFAULT, **shapes, NSLOTS=6, SLOT_BYTES=31744, RING_OFF=32768, PREFETCH=0)
+
+
+def test_every_tuning_knob_is_documented():
+    """Each KOG_HOPPER_* variable the backend reads appears in docs/nvidia-hopper.md's knob table."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    src = (root / "plugins/nvidia_hopper/backend.py").read_text()
+    doc = (root / "docs/nvidia-hopper.md").read_text()
+    names = set(re.findall(r"KOG_HOPPER_[A-Z0-9_]+", src))
+    assert len(names) > 20
+    assert sorted(n for n in names if f"`{n}" not in doc) == []
