@@ -43,6 +43,25 @@ def pass_bins(keys, cand, p, prefix):
     return m, bins, np.bincount(bins, minlength=256)
 
 
+def scan_bins(order, val, cnt, acc, crosses):
+    """Walk bins in candidate order (skipping empty ones), adding each bin's value to the running
+    total acc, and stop at the first bin where crosses(total) holds; if none does, the last bin with
+    candidates. Returns (chosen bin, the total before it)."""
+    chosen, last, acc_last = None, None, acc
+    for b in order:
+        if not cnt[b]:
+            continue
+        nx = acc + val[b]
+        last, acc_last = b, acc
+        if crosses(nx):
+            chosen = b
+            break
+        acc = nx
+    if chosen is None:
+        chosen, acc = last, acc_last
+    return chosen, acc
+
+
 def radix_select(keys, w, floor, kind, target):
     """sample.cuh radix_select (without its shared-memory list, which changes where candidates are
     read from, not which)."""
@@ -53,19 +72,9 @@ def radix_select(keys, w, floor, kind, target):
         hist = [0] * 256
         for b, v in zip(bins, w[m]):
             hist[b] += int(v)
-        acc, chosen, lastnz, acc_last = above, None, None, None
-        for b in range(255, -1, -1):
-            if cnt[b] == 0:
-                continue
-            nx = acc + hist[b]
-            lastnz, acc_last = b, acc
-            if (nx > target) if kind == 2 else (nx >= target):
-                chosen = b
-                break
-            acc = nx
-        if chosen is None:
-            chosen, acc = lastnz, acc_last
-        prefix, above = (prefix << 8) | chosen, acc
+        crosses = (lambda x: x > target) if kind == 2 else (lambda x: x >= target)
+        chosen, above = scan_bins(range(255, -1, -1), hist, cnt, above, crosses)
+        prefix = (prefix << 8) | chosen
     return prefix
 
 
@@ -108,20 +117,11 @@ def grid_select(keys, w, floor, kind, frac=None, target=None):
         hit = [ln for ln in range(32) if anyc[ln] and crosses(reach[ln])]
         nz = [ln for ln in range(32) if anyc[ln]]
         L = hit[0] if hit else nz[-1]
-        acc = reach[L] - ls[L]
-        chosen, last, acc_last = None, lanes[L][0], acc
-        for b in lanes[L]:
-            if not cnt[b]:
-                continue
-            nx = acc + val[b]
-            last, acc_last = b, acc
-            if hit and crosses(nx):
-                chosen = b
-                break
-            acc = nx
+        # lane L's bins; without a hit, its last bin with candidates (none at all: its first, as the kernel)
+        chosen, above = scan_bins(lanes[L], val, cnt, reach[L] - ls[L], crosses if hit else (lambda x: False))
         if chosen is None:
-            chosen, acc = last, acc_last
-        prefix, above = (prefix << 8) | chosen, acc
+            chosen, above = lanes[L][0], reach[L] - ls[L]
+        prefix = (prefix << 8) | chosen
         if cnt[chosen] == 1 or p == 7:
             return kx[chosen], p + 1
     raise AssertionError("unreachable")

@@ -357,7 +357,8 @@ SAMPLE_GRID_MAX_EPT = 8  # candidates per thread the grid sampler holds in regis
 
 def sample_grid_ept(vocab: int, nb: int, nt: int) -> int:
     """Candidates per thread of sample_grid.cuh: each block's slice of the vocabulary over its threads."""
-    return -(-(-(-vocab // nb)) // nt)
+    per_block = -(-vocab // nb)  # ceilings: the largest slice, then its share per thread
+    return -(-per_block // nt)
 
 
 def sample_grid_smem() -> int:

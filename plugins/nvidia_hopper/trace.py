@@ -38,9 +38,9 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
         t = tr[k]
         if not t[:, :, 3].all():
             continue
-        prev_done = t[-1, :, 3].max() if k == 0 else tr[k - 1, -1, :, 3].max()
-        # the signal warp's releases (fields 29-30): the previous stage's last fence
-        prev_fence = (t[-1, :, 30] if k == 0 else tr[k - 1, -1, :, 30]).max() if ntr >= 31 else 0
+        prev = t[-1] if k == 0 else tr[k - 1, -1]  # the stage before the first: the token's (or the last one's) last
+        prev_done = prev[:, 3].max()
+        prev_fence = prev[:, 30].max() if ntr >= 31 else 0  # the signal warp's releases (fields 29-30)
         r = []
         for s in range(nst):
             done = t[s, :, 3]
@@ -102,14 +102,14 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
             if c[21:29].any():
                 line += ("; second tile, code hot: " + " / ".join(f"{v:.2f}" for v in c[21:25])
                          + " (sub-chunk: " + " / ".join(f"{v:.2f}" for v in c[25:29]) + ")")
-        if len(c) > 35 and c[30]:
+        if c[30]:
             line += (f"  sampler: keys {c[29]:.2f}, {c[30]:.0f} rounds: histograms / atomics / arrival / bins / "
                      "choice " + " / ".join(f"{v:.2f}" for v in c[31:36]))
         if c[15]:
             line += f"  load: input landed {c[15]:.2f}" + (f", norm sum {c[16]:.2f}" if c[16] else "")
-        if len(c) > 38 and c[37]:
+        if c[37]:
             line += f"  release: signal warp +{c[36]:.2f}, fence {c[37]:.2f}"
-        if len(c) > 38 and c[38]:
+        if c[38]:
             line += f"; waited {c[38]:.2f} after the last fence"
         out.append(line)
     by = {}

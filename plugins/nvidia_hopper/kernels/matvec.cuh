@@ -111,6 +111,12 @@ __device__ __forceinline__ float div_by(float x, float d, float r) {
     return fmaf(fmaf(-q, d, x), r, q);
 }
 
+// The norm weights of float4 i of the row (batch slot u): from this thread's shared-memory copies
+// (NORM_SMEM), its preloaded registers (wpre, the first batch only), or global memory.
+__device__ __forceinline__ uint2 norm_w4(const u16* nws, const uint2* wpre, const u16* nw, int i, int u) {
+    return (NORM_SMEM && nws) ? *(const uint2*)(nws + 4 * i) : wpre ? wpre[u] : *(const uint2*)(nw + 4 * i);
+}
+
 // Loads are issued in batches of XV per thread before any is used: a loop of one load per
 // iteration costs a full L2 round trip per iteration (K = 8192: six) on every stage's critical path.
 // wpre: this thread's norm weights when the caller loaded them before its wait (null: load here).
@@ -163,8 +169,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                     ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
                     ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
                     if (defer) {  // x * w now, the division by d in the epilogue
-                        const uint2 w = (NORM_SMEM && nws) ? *(const uint2*)(nws + 4 * i)
-                                      : wpre ? wpre[u] : *(const uint2*)(nw + 4 * i);
+                        const uint2 w = norm_w4(nws, wpre, nw, i, u);
                         v[u].x *= bf_lo(w.x); v[u].y *= bf_hi(w.x); v[u].z *= bf_lo(w.y); v[u].w *= bf_hi(w.y);
                     }
                     *x_f4(x, K, i) = v[u];
@@ -204,8 +209,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
-                if (i < K4) w[u] = (NORM_SMEM && nws) ? *(const uint2*)(nws + 4 * i)
-                                 : wpre ? wpre[u] : *(const uint2*)(nw + 4 * i);
+                if (i < K4) w[u] = norm_w4(nws, wpre, nw, i, u);
             }
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
