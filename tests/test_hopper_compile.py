@@ -14,7 +14,7 @@ from kog_core.errors import BackendUnavailable, CapabilityError, KogError
 # K/V buffer, the attention inlined, the preloaded norm weights in shared memory.
 DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1, INLINE_ATTENTION=1, NORM_SMEM=1, STREAM_L2_FIRST=1,
                NORM_RCP=1, ATT_FASTDIV=1, SAMPLE_GRID=1, SAMPLE_EPT=4,  # EPT 4: a 128k vocabulary over 132 blocks
-               SMEM_ALIGN=128)
+               SMEM_ALIGN=128, DEFER_NORM=1, SIGNAL_BAR=1)
 MAX_REGISTERS = 168
 # Spill bytes of the whole kernel (every function): 0 since session 8. History: 4 at the entry in
 # v15 (the next stage's descriptor row by cp.async instead of registers held across the noinline
@@ -467,8 +467,9 @@ def test_compact_attention_experiment_compiles_smaller():
 @pytest.mark.parametrize("extra", [dict(X_CPASYNC=1), dict(X_CPASYNC=1, COMPACT_ATTENTION=1)])
 def test_input_rows_by_cp_async_experiment_compiles(extra):
     """KOG_HOPPER_X_CPASYNC=1 (an experiment, off; 13% slower, session 9): a stage's input row by
-    cp.async into shared memory; compiles without spills, alone and with the compact attention."""
-    cubin, log, rep = _compile_clean(**DEFAULT, **extra)
+    cp.async into shared memory; compiles without spills, alone and with the compact attention
+    (with the normalise pass: the deferred norm multiplies by the weights on the register path)."""
+    cubin, log, rep = _compile_clean(**dict(DEFAULT, DEFER_NORM=0), **extra)
 
 
 def test_stream_probe_rounds_are_well_formed():
@@ -642,8 +643,10 @@ def test_v18b_defaults_make_the_code_smaller(off):
     consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
     _compile_clean(**dict(DEFAULT, **consts, **off))
     # sizes compared with block 0's sampler: the grid sampler's allocation moves the total by more
-    # than these changes (it is off the per-layer path)
+    # than these changes (it is off the per-layer path); with the normalise pass (DEFER_NORM=0),
+    # the only code NORM_RCP touches
     block = {k: v for k, v in DEFAULT.items() if k not in ("SAMPLE_GRID", "SAMPLE_EPT")}
+    block["DEFER_NORM"] = 0
     cubin, _, _ = _compile(**dict(block, **consts, **off))
     default, _, _ = _compile(**block, **consts)
     assert _code_bytes(default) < _code_bytes(cubin)
@@ -765,25 +768,41 @@ def test_experiment_defines_are_checked(monkeypatch):
     from kog_nvidia_hopper.backend import env_defines
     monkeypatch.setenv("KOG_HOPPER_DEFINES", "DEBUG_DOT=1,NSLOTS=5")
     assert env_defines() == {"DEBUG_DOT": 1, "NSLOTS": 5}
+    monkeypatch.setenv("KOG_HOPPER_DEFINES", "DEBUG_DOT=1;NSLOTS=5")
+    assert env_defines() == {"DEBUG_DOT": 1, "NSLOTS": 5}
     for bad in ("DEBUG_DOT", "debug_dot=1", "DEBUG_DOT=x", "A B=1"):
         monkeypatch.setenv("KOG_HOPPER_DEFINES", bad)
         with pytest.raises(KogError, match="NAME=INTEGER"):
             env_defines()
 
 
-def test_deferred_norm_build_compiles_and_leaves_the_default_alone():
-    """KOG_HOPPER_DEFER_NORM=1 (an experiment, off; written after session 11's last device call):
-    no spills, also with the norm weights in local memory and in the trace build; its per-warp sums
-    of squares keep the dynamic shared memory on a 128-byte boundary; the default build has none
-    of its code."""
+def test_normalise_pass_build_compiles_and_deferred_norm_keeps_the_ring_aligned():
+    """The deferred norm (default since v21) and the normalise pass (KOG_HOPPER_DEFER_NORM=0, also
+    any model with more than DEFER_NORM_LANES input rows a block) both compile without spills, also
+    with the norm weights in local memory and in the trace build; the deferred norm's per-warp sums
+    of squares keep the dynamic shared memory on a 128-byte boundary."""
     from kog_nvidia_hopper import schedule as S
-    cubin, log, _ = _compile_clean(**DEFAULT, DEFER_NORM=1)
-    _compile_clean(**dict(DEFAULT, NORM_SMEM=0), DEFER_NORM=1)
-    _compile_clean(**DEFAULT, DEFER_NORM=1, TRACE=1)
-    assert _static_smem(log) % 128 == 0
-    assert _static_smem(log) == _static_smem(_compile(**DEFAULT)[1]) + S.DEFER_NORM_LANES * DEFAULT["NT"] // 32 * 4
-    default, _, _ = _compile(**DEFAULT)
-    assert default != cubin
+    _compile_clean(**DEFAULT)
+    _compile_clean(**dict(DEFAULT, NORM_SMEM=0))
+    _compile_clean(**DEFAULT, TRACE=1)
+    pass_build = dict(DEFAULT, DEFER_NORM=0)
+    cubin, log, _ = _compile_clean(**pass_build)
+    _compile_clean(**dict(pass_build, NORM_SMEM=0))
+    assert _static_smem(_compile(**DEFAULT)[1]) % 128 == 0
+    assert _static_smem(_compile(**DEFAULT)[1]) == _static_smem(log) + S.DEFER_NORM_LANES * DEFAULT["NT"] // 32 * 4
+    assert _compile(**DEFAULT)[0] != cubin
+
+
+def test_signal_bar_build_uses_a_third_barrier():
+    """SIGNAL_BAR (default since v21): the signal warp joins the end-of-stage barrier (named barrier
+    2 of NT + 32 threads), so ptxas counts one barrier more than the polling build
+    (KOG_HOPPER_SIGNAL_BAR=0), which also compiles without spills, in the trace build too."""
+    import re
+    _, log, _ = _compile_clean(**DEFAULT, TRACE=1)
+    _, poll_log, _ = _compile_clean(**dict(DEFAULT, SIGNAL_BAR=0))
+    _compile_clean(**dict(DEFAULT, SIGNAL_BAR=0), TRACE=1)
+    barriers = lambda lg: int(re.search(r"used (\d+) barriers", lg).group(1))
+    assert barriers(_compile(**DEFAULT)[1]) == barriers(poll_log) + 1 == 3
 
 
 def test_sass_report_builds_the_default():
@@ -805,3 +824,24 @@ def test_every_tuning_knob_is_documented():
     names = set(re.findall(r"KOG_HOPPER_[A-Z0-9_]+", src))
     assert len(names) > 20
     assert sorted(n for n in names if f"`{n}" not in doc) == []
+
+
+def test_deferred_norm_is_refused_where_a_block_would_keep_too_many_sums():
+    """The deferred norm (default since v21) applies to bench-2b; a block that would take more than
+    DEFER_NORM_LANES input rows of a normed stage, or the cp.async input path, keeps the normalise
+    pass (the backend says why when KOG_HOPPER_DEFER_NORM=1 asks for it anyway)."""
+    import numpy as np
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.backend import defer_norm_refusal
+    stages = _bench2b_stages_as_loaded()
+    binfo = np.zeros((len(stages), 132, 4), np.int32)
+    binfo[:, :, 2] = 1  # one lane a block everywhere: bench-2b is dense
+    assert defer_norm_refusal(stages, binfo, {}) == ""
+    assert "X_CPASYNC" in defer_norm_refusal(stages, binfo, {"X_CPASYNC": 1})
+    normed = next(i for i, st in enumerate(stages)
+                  if st.type == "matvec" and int(st.f.get("MV_IN_MODE") or 0) & S.CONSTS["IN_NORM"])
+    binfo[normed, 7, 2] = S.DEFER_NORM_LANES + 1
+    assert f"{S.DEFER_NORM_LANES + 1} input rows" in defer_norm_refusal(stages, binfo, {})
+    unnormed = next(i for i, st in enumerate(stages) if st.type != "matvec")
+    binfo[normed, 7, 2], binfo[unnormed, 7, 2] = 1, 64  # many lanes where nothing is normed: fine
+    assert defer_norm_refusal(stages, binfo, {}) == ""

@@ -33,16 +33,31 @@ def _env_int(name: str, default: int, lo: int = 1, hi: int = 1 << 20) -> int:
 
 
 def env_defines() -> dict[str, int]:
-    """KOG_HOPPER_DEFINES="NAME=VALUE,...": extra compile-time settings for experiments (what-if
+    """KOG_HOPPER_DEFINES="NAME=VALUE,..." (or ";"): extra compile-time settings for experiments (what-if
     builds such as matvec.cuh DEBUG_DOT, whose results are wrong on purpose). Upper-case names,
     integer values; anything else is refused with the expected form."""
     out = {}
-    for item in filter(None, os.environ.get("KOG_HOPPER_DEFINES", "").split(",")):
+    # commas or semicolons between pairs (devcall.sh's VARIANTS turns commas into separate variables)
+    for item in filter(None, os.environ.get("KOG_HOPPER_DEFINES", "").replace(";", ",").split(",")):
         name, _, value = item.strip().partition("=")
         if not (name.isidentifier() and name.isupper() and value.lstrip("-").isdigit()):
             raise KogError(f"KOG_HOPPER_DEFINES: {item!r} is not NAME=INTEGER: use e.g. KOG_HOPPER_DEFINES=DEBUG_DOT=1,NSLOTS=5")
         out[name] = int(value)
     return out
+
+
+def defer_norm_refusal(stages, binfo: np.ndarray, variant: dict) -> str:
+    """Why the deferred norm (matvec.cuh DEFER_NORM) cannot apply to these stages ("" if it can):
+    a block keeps the sums of squares of at most DEFER_NORM_LANES input rows of a normed stage
+    (binfo[stage, block, 2]: the block's lanes), and the loader multiplies on the register path."""
+    normed = [i for i, st in enumerate(stages)
+              if st.type == "matvec" and int(st.f.get("MV_IN_MODE") or 0) & S.CONSTS["IN_NORM"]]
+    most = int(binfo[normed, :, 2].max()) if normed else 0
+    if most > S.DEFER_NORM_LANES:
+        return f"a block takes {most} input rows of a normed stage, more than the {S.DEFER_NORM_LANES} it keeps sums for"
+    if "X_CPASYNC" in variant:
+        return "KOG_HOPPER_X_CPASYNC=1 loads input rows past the registers"
+    return ""
 
 
 def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -256,6 +271,10 @@ class HopperBackend(KernelBackend):
             variant["KV_BUFS"] = self.kv_bufs
         if self.signal_warp:
             variant["SIGNAL_WARP"] = 1
+            # v21 (session 12, +0.7% on bench-2b): the signal warp sleeps in the consumers' end-of-stage
+            # barrier instead of polling a shared word thread 0 sets after it (decode.cu SIGNAL_BAR)
+            if _env_int("KOG_HOPPER_SIGNAL_BAR", 1, lo=0, hi=1):
+                variant["SIGNAL_BAR"] = 1
         if _env_int("KOG_HOPPER_COPY_LSU", 0, lo=0, hi=1):  # slots filled by per-lane cp.async (perf notes session 6)
             variant["COPY_LSU"] = 1
         if self.norm_smem:
@@ -281,14 +300,15 @@ class HopperBackend(KernelBackend):
             raise KogError(f"KOG_HOPPER_SMEM_ALIGN={smem_align}: use a power of two from 16 to 1024")
         if smem_align != 16:
             variant["SMEM_ALIGN"] = smem_align
-        if _env_int("KOG_HOPPER_DEFER_NORM", 0, lo=0, hi=1):  # the norm's division in the epilogue (matvec.cuh; an experiment)
-            variant["DEFER_NORM"] = 1
-            normed = [i for i, st in enumerate(stages)
-                      if st.type == "matvec" and int(st.f.get("MV_IN_MODE") or 0) & S.CONSTS["IN_NORM"]]
-            most = int(binfo[normed, :, 2].max()) if normed else 0
-            if most > S.DEFER_NORM_LANES:
-                raise KogError(f"KOG_HOPPER_DEFER_NORM=1: a block takes {most} input rows of a normed stage, more "
-                               f"than the {S.DEFER_NORM_LANES} it keeps sums for; unset KOG_HOPPER_DEFER_NORM")
+        # v21 (session 12, +1.6% on bench-2b): a normed stage's division by the norm moves to the
+        # epilogue (matvec.cuh DEFER_NORM). A block keeps the sums of squares of at most
+        # DEFER_NORM_LANES input rows; a model that needs more keeps the normalise pass.
+        if _env_int("KOG_HOPPER_DEFER_NORM", 1, lo=0, hi=1):
+            why = defer_norm_refusal(stages, binfo, variant)
+            if not why:
+                variant["DEFER_NORM"] = 1
+            elif os.environ.get("KOG_HOPPER_DEFER_NORM"):
+                raise KogError(f"KOG_HOPPER_DEFER_NORM=1 cannot apply: {why}; unset KOG_HOPPER_DEFER_NORM")
         variant.update(env_defines())  # KOG_HOPPER_DEFINES: experiments' compile-time settings
         # v18b (session 9, +1.3% on bench-2b): less code on the per-layer path, which runs with its
         # instructions fetched from L2 (the normalise pass's divisions through a reciprocal, the

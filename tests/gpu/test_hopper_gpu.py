@@ -262,13 +262,15 @@ def test_tag_down_matches_reference(name, monkeypatch):
         hb.close()
 
 
+@pytest.mark.parametrize("defer", [0, 1])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "laneformer-lane"])
-def test_defer_norm_matches_reference(name, monkeypatch):
-    """KOG_HOPPER_DEFER_NORM=1 (an experiment, session 11): a normed stage multiplies its rows by the
-    norm weights as they land and divides each dot product by d in the epilogue. Logits at every
-    position and greedy tokens still match the reference; the Laneformer case has several input
-    rows (lanes) per block, each with its own d."""
-    monkeypatch.setenv("KOG_HOPPER_DEFER_NORM", "1")
+def test_defer_norm_matches_reference(name, defer, monkeypatch):
+    """Both ways of a normed stage: the deferred norm (default since v21: the rows multiplied by the
+    norm weights as they land, each dot product divided by d in the epilogue) and the normalise pass
+    (KOG_HOPPER_DEFER_NORM=0, also what a model with more than 16 input rows a block gets). Logits at
+    every position and greedy tokens match the reference; the Laneformer case has several input rows
+    (lanes) per block, each with its own d."""
+    monkeypatch.setenv("KOG_HOPPER_DEFER_NORM", str(defer))
     if name.startswith("laneformer"):
         pytest.importorskip("kog_laneformer")
         from .hopper_models import laneformer_model
@@ -279,7 +281,29 @@ def test_defer_norm_matches_reference(name, monkeypatch):
         arch, prog, w = model(name)
     ref, hb = _backends(prog, w)
     try:
-        assert hb.variant.get("DEFER_NORM") == 1
+        assert hb.variant.get("DEFER_NORM", 0) == defer
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=5, max_tokens=64)
+    finally:
+        hb.close()
+
+
+@pytest.mark.parametrize("bar", [0, 1])
+@pytest.mark.parametrize("name", ["llama", "laneformer-lane"])
+def test_signal_warp_both_ways_matches_reference(name, bar, monkeypatch):
+    """The signal warp sleeping in the consumers' end-of-stage barrier (SIGNAL_BAR, default since
+    v21) and polling the word thread 0 sets after it (KOG_HOPPER_SIGNAL_BAR=0). Same logits and
+    tokens as the reference, and a request that ends (max tokens) lets the kernel exit: the warp
+    leaves through the consumers' last barrier."""
+    monkeypatch.setenv("KOG_HOPPER_SIGNAL_BAR", str(bar))
+    if name.startswith("laneformer"):
+        pytest.importorskip("kog_laneformer")
+        from .hopper_models import laneformer_model
+        arch, prog, w = laneformer_model(name)
+    else:
+        arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("SIGNAL_BAR", 0) == bar
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
     finally:
         hb.close()

@@ -13,6 +13,16 @@
 #else
 #define ATT_LOOP
 #endif
+// ATT_COMBINE_BATCH (session 12; KOG_HOPPER_DEFINES=ATT_COMBINE_BATCH=0 for the old form): the
+// last tile of a kv head copies every chunk's partial output into shared memory at once (cp.async,
+// no registers held) instead of loading one chunk per round trip. ATT_TICKET_FENCE=1: the old
+// fence after the ticket's reset (a gpu-scope fence waits ~1 us behind the ring's copies).
+#ifndef ATT_COMBINE_BATCH
+#define ATT_COMBINE_BATCH 1
+#endif
+#ifndef ATT_TICKET_FENCE
+#define ATT_TICKET_FENCE 0
+#endif
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that
 // the tiles roughly fill the grid; partial (m, l, o) go to a scratch buffer and the last tile
 // of a (lane, kv head) to finish (atomic ticket) combines them.
@@ -307,15 +317,34 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             csync();
             u32* ticket = (u32*)st[AT_TICKET] + l * Hkv + g;
             if (tid == 0) {
-                __threadfence();
-                u32 k = atomicAdd(ticket, 1u);
+                __threadfence();  // this tile's partials before its ticket
+                u32 k;  // an acquire: the last tile's reads of the other tiles' partials come after it
+                asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 1;" : "=r"(k) : "l"(ticket) : "memory");
                 s_last = (k == (u32)nch - 1);
-                if (s_last) { *ticket = 0u; __threadfence(); }
+                // the reset needs no fence of its own: the next use of the ticket (this layer, next
+                // token) comes after this block's release of the stage, whose fence orders it
+                if (s_last) *ticket = 0u;
+                if (s_last && ATT_TICKET_FENCE) __threadfence();  // the old form, for the A/B
             }
             csync();
             if (s_last) {
-                // (m, l) of every chunk into shared memory in parallel (red is free now), then combine
+                // (m, l) of every chunk into shared memory (red is free now), and with ATT_COMBINE_BATCH
+                // every chunk's partial output of the group too (red and the K/V buffers are free),
+                // all copies in flight at once: one round trip, not one per chunk. Else (no room)
+                // the per-chunk loop below.
                 float* mls = red;
+                float* osm = red + ((2 * G * MAXCH + 3) & ~3);  // [chunk][G * hd]
+                const bool batch = ATT_COMBINE_BATCH && (hd & 3) == 0 &&
+                                   ((2 * G * MAXCH + 3) & ~3) + nch * GH <= NT * 8 + KV_BUFS * ATT_SUB * RS;
+                if (batch) {
+                    ATT_LOOP
+                    for (int i = tid; i < nch * (GH >> 2); i += NT) {  // float4 i: chunk k, 4 columns of head gi
+                        const int k = att_div(i, GH >> 2), c4 = 4 * (i - k * (GH >> 2)), gi = c4 / hd;
+                        cp_async16(osm + k * GH + c4,
+                                   partO + (((i64)l * H + g * G + gi) * MAXCH + k) * hd + (c4 - gi * hd));
+                    }
+                    cp_commit();
+                }
                 ATT_LOOP
                 for (int i = tid; i < G * nch; i += NT) {
                     const int gi = att_div(i, nch), k = i - gi * nch;
@@ -323,9 +352,26 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                     mls[i * 2] = ldf(ml);
                     mls[i * 2 + 1] = ldf(ml + 1);
                 }
+                cp_wait_all();
                 csync();
                 ATT_LOOP
-                for (int i = tid; i < GH; i += NT) {
+                for (int i = tid; i < GH && batch; i += NT) {
+                    const int gi = i / hd, h = g * G + gi;
+                    const float* ml = mls + gi * nch * 2;
+                    float M = -__int_as_float(0x7f800000);
+                    ATT_LOOP
+                    for (int k = 0; k < nch; ++k) M = fmaxf(M, ml[2 * k]);
+                    float num = 0.f, den = 0.f;  // the same additions in the same order as the loop below
+                    ATT_LOOP
+                    for (int k = 0; k < nch; ++k) {
+                        const float w = expf(ml[2 * k] - M);
+                        num = fmaf(w, osm[k * GH + i], num);
+                        den = fmaf(w, ml[2 * k + 1], den);
+                    }
+                    ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + (i - gi * hd)] = num / den;
+                }
+                ATT_LOOP
+                for (int i = tid; i < GH && !batch; i += NT) {
                     int gi = i / hd, d = i % hd;
                     int h = g * G + gi;
                     const float* ml = mls + gi * nch * 2;

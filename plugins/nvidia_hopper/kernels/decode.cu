@@ -88,6 +88,40 @@ __device__ __noinline__ void signal_stages(u32* counters, int nst, const i64* ru
     }
 }
 
+// SIGNAL_BAR (with SIGNAL_WARP; KOG_HOPPER_SIGNAL_BAR): the signal warp sleeps in the consumers'
+// end-of-stage barrier itself (named barrier 2, NT + 32 threads) instead of polling s_staged, which
+// thread 0 set after that barrier: the trace measured ~0.3 us from a block's barrier to its signal
+// warp's release (thread 0's fence and exchange, then the poll), at every stage boundary. The
+// barrier orders the consumers' writes before the release's fence (cumulative at gpu scope). The
+// consumers can never wait on it: stage s + 1 ends only after this block's release of stage s
+// (every stage waits on the previous stage's count), so the warp is always back at the barrier.
+#ifndef SIGNAL_BAR
+#define SIGNAL_BAR 0
+#endif
+#define STAGE_BAR (SIGNAL_WARP && SIGNAL_BAR)
+__device__ __forceinline__ void stage_end_sync() {
+    if (STAGE_BAR) asm volatile("bar.sync 2, %0;" :: "n"(NT + 32) : "memory");
+    else csync();
+}
+__device__ __noinline__ void signal_stages_bar(u32* counters, int nst, const i64* run) {
+    const bool last_only = ((int)run[R_SKIP] >> 8) & 1;  // benchmark bit 8: only the token's last stage signals
+    for (u32 done = 0;; ++done) {
+        stage_end_sync();
+        if (atomicAdd(&s_done, 0)) return;  // set before the consumers' final barrier (atomics on both sides)
+        const u32 s = done % (u32)nst;
+        if ((threadIdx.x & 31) == 0 && (!last_only || s == (u32)nst - 1)) {
+#ifdef TRACE
+            u64* tr = trace_row(run, (int)(done / (u32)nst), (int)s, nst);
+            if (tr) tr[29] = gtimer();
+#endif
+            red_release(counters + s, 1u);
+#ifdef TRACE
+            if (tr) tr[30] = gtimer();
+#endif
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     // this stage's, the previous stage's and (arriving during this stage) the next stage's
@@ -118,7 +152,8 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     }
     __syncthreads();  // the last barrier of all NTHREADS: from here on the producer warp goes its own way
     if (SIGNAL_WARP && threadIdx.x >= NT + 32) {
-        signal_stages(counters, nst, run);
+        if (STAGE_BAR) signal_stages_bar(counters, nst, run);
+        else signal_stages(counters, nst, run);
         return;
     }
     if (threadIdx.x >= NT) {
@@ -169,11 +204,11 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             else if (type == ST_EW) run_ew(c);
             else if (type == ST_SAMPLE) run_sample(c);
             cp_wait_all();  // the next stage's row (visible to all consumers after the barrier)
-            csync();
+            stage_end_sync();  // with STAGE_BAR the signal warp wakes here and releases the stage
             TMARK(c, 3);
             // release: every write of this block (ordered by the barrier) is visible before the count.
             // Benchmark bit 8 (with bit 6, no waits): only the token's last stage signals.
-            if (threadIdx.x == 0 && (!((c.skipmask >> 8) & 1) || s == nst - 1)) {
+            if (!STAGE_BAR && threadIdx.x == 0 && (!((c.skipmask >> 8) & 1) || s == nst - 1)) {
                 if (SIGNAL_WARP) { __threadfence_block(); atomicExch(&s_staged, sd + 1); }  // the signal warp adds for it
                 else red_release(counters + s, 1u);
             }
@@ -183,4 +218,5 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
         if (ldi64(run + R_STOP)) break;
     }
     if (threadIdx.x == 0) atomicExch(&s_done, 1);  // the producer drains its copies in flight and exits
+    if (STAGE_BAR) stage_end_sync();  // the signal warp wakes, finds s_done set and exits
 }

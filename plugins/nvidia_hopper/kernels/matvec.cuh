@@ -34,7 +34,9 @@ __device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
     return (float4*)(x + ((i4 & 1) ? (K >> 1) : 0) + 4 * (i4 >> 1));
 }
 
-#define XV 6  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
+#ifndef XV
+#define XV 6
+#endif  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
                 // (7 or 8, to load down's 8192 in one round trip at 10 warps, spill 84+ bytes)
 // X_CPASYNC (an experiment, off; KOG_HOPPER_X_CPASYNC=1): a stage's input row (not an embedding
 // row) comes by cp.async straight into shared memory: one round trip for any K (down's 8192 takes
