@@ -845,3 +845,21 @@ def test_deferred_norm_is_refused_where_a_block_would_keep_too_many_sums():
     unnormed = next(i for i, st in enumerate(stages) if st.type != "matvec")
     binfo[normed, 7, 2], binfo[unnormed, 7, 2] = 1, 64  # many lanes where nothing is normed: fine
     assert defer_norm_refusal(stages, binfo, {}) == ""
+
+
+@pytest.mark.parametrize("shape", [dict(ATC_H=32, ATC_HKV=8, ATC_HD=64),   # llama-3.2-1b: 2 columns a lane
+                                   dict(ATC_H=6, ATC_HKV=2, ATC_HD=32),    # 1 column a lane, 3 heads a group
+                                   dict(ATC_H=4, ATC_HKV=2, ATC_HD=256),   # 8 columns a lane
+                                   dict(ATC_H=8, ATC_HKV=2, ATC_HD=256)])  # 32 pairs a lane: the block steps
+def test_attention_warp_rows_compile_for_other_shapes(shape):
+    """ATT_WARP_ROWS (default since session 12 where the shapes are compiled in): each warp keeps its
+    own running softmax over whole K/V rows. Builds for other head sizes and group sizes have no
+    spills; bench-2b's build differs from the block-step form (ATT_WARP_ROWS=0), so the path is
+    really taken there."""
+    from kog_nvidia_hopper import schedule as S
+    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    _compile_clean(**dict(DEFAULT, **dict(consts, **shape)))
+    if shape["ATC_HD"] == 64:
+        rows, _, _ = _compile_clean(**DEFAULT, **consts)
+        steps, _, _ = _compile_clean(**DEFAULT, **consts, ATT_WARP_ROWS=0)
+        assert rows != steps

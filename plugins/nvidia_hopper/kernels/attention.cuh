@@ -132,6 +132,77 @@ __device__ __forceinline__ int att_ntiles(const Ctx& c) {
     return AT_I(s_desc[c.dcur], L) * AT_I(s_desc[c.dcur], HKV) * nch;
 }
 
+// ATT_WARP_ROWS (session 12; KOG_HOPPER_DEFINES=ATT_WARP_ROWS=0 for the block-step form): each
+// warp takes whole K/V rows of a sub-chunk (row j: warp j % NW) and keeps its own running softmax
+// (m, l, o) for the group's query heads in registers, lane = hd / 32 columns; the warps' states are
+// merged once at the end of the tile. A sub-chunk then costs two barriers instead of five, and a
+// row's score one warp reduction for all heads at once instead of a 16-lane reduction per head
+// and position (the block-step sub-chunk took 1.6 us for 32 positions: scores 0.77, softmax 0.35,
+// P.V 0.29, reduction 0.16, each a barrier apart; trace, session 11). Needs the shapes compiled in
+// (SHAPE_CONSTS), hd a multiple of 32 up to 256, at most 16 of a lane's (head, column) pairs in
+// registers (q and o: 32 floats; more spill), and room for the warps' states in the scratch.
+#ifndef ATT_WARP_ROWS
+#define ATT_WARP_ROWS 1
+#endif
+#if ATT_WARP_ROWS && defined(ATC_HD)
+#define AG (ATC_H / ATC_HKV)
+#define ADPL (ATC_HD / 32)
+#define ATT_ROWS_ML ((2 * NW * AG + 3) & ~3)  // floats of the warps' (m, l), then their o [NW][AG][hd]
+#if ATC_HD % 32 == 0 && ATC_HD <= 256 && AG * ADPL <= 16 && ATT_ROWS_ML + NW * AG * ATC_HD <= NT * 8 + KV_BUFS * ATT_SUB * (ATC_HD + 8)
+#define ATT_ROWS 1
+#endif
+#endif
+#ifndef ATT_ROWS
+#define ATT_ROWS 0
+#endif
+#if ATT_ROWS
+// this lane's ADPL columns of a bf16 K or V row in shared memory
+__device__ __forceinline__ void att_ld_cols(const u16* r, float (&f)[ADPL]) {
+#if ADPL == 1
+    f[0] = bf2f(r[0]);
+#elif ADPL == 2
+    const u32 w = *(const u32*)r;
+    f[0] = bf_lo(w); f[1] = bf_hi(w);
+#elif ADPL == 4
+    const uint2 w = *(const uint2*)r;
+    f[0] = bf_lo(w.x); f[1] = bf_hi(w.x); f[2] = bf_lo(w.y); f[3] = bf_hi(w.y);
+#else
+    const uint4 w = *(const uint4*)r;
+    f[0] = bf_lo(w.x); f[1] = bf_hi(w.x); f[2] = bf_lo(w.y); f[3] = bf_hi(w.y);
+    f[4] = bf_lo(w.z); f[5] = bf_hi(w.z); f[6] = bf_lo(w.w); f[7] = bf_hi(w.w);
+#endif
+}
+// One position (its K and V rows) into this warp's running softmax for every query head of the
+// group: the scores of all heads reduced over the warp together (interleaved shuffles).
+__device__ __forceinline__ void att_row(const u16* Kr, const u16* Vr, const float (&qv)[AG][ADPL], float scale,
+                                        float (&wm)[AG], float (&wl)[AG], float (&wo)[AG][ADPL]) {
+    float kf[ADPL], vf[ADPL], sc[AG];
+    att_ld_cols(Kr, kf);
+    att_ld_cols(Vr, vf);
+#pragma unroll
+    for (int g = 0; g < AG; ++g) {
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < ADPL; ++i) d = fmaf(qv[g][i], kf[i], d);
+        sc[g] = d;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int g = 0; g < AG; ++g) sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], o);
+    }
+#pragma unroll
+    for (int g = 0; g < AG; ++g) {
+        const float x = sc[g] * scale, mn = fmaxf(wm[g], x);
+        const float a = expf(wm[g] - mn), p = expf(x - mn);  // a = 0 on the warp's first row (m = -inf)
+        wl[g] = fmaf(wl[g], a, p);
+#pragma unroll
+        for (int i = 0; i < ADPL; ++i) wo[g][i] = fmaf(p, vf[i], wo[g][i] * a);
+        wm[g] = mn;
+    }
+}
+#endif
+
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that the
 // tiles roughly fill the grid. A tile streams its chunk's K/V through shared memory in
 // sub-chunks of ATT_SUB positions (cp.async, KV_BUFS in flight), with a running (online) softmax per
@@ -210,6 +281,16 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         if (own && ropek && warp == NW - 1) rope_vec(GH, hd, ropek, att_red_off(c));
         csync();
         TMARK_TILE(c, tk, 10, 21);
+#if ATT_ROWS
+        float qv[AG][ADPL], wm[AG], wl[AG], wo[AG][ADPL];  // this warp's running softmax (ATT_WARP_ROWS)
+#pragma unroll
+        for (int g = 0; g < AG; ++g) {
+            wm[g] = -__int_as_float(0x7f800000);
+            wl[g] = 0.f;
+#pragma unroll
+            for (int i = 0; i < ADPL; ++i) { qv[g][i] = q[g * hd + ln * ADPL + i]; wo[g][i] = 0.f; }
+        }
+#endif
         if (own) {
             ATT_LOOP
             for (int i = tid; i < hd; i += NT) {
@@ -230,6 +311,12 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             }
             csync();
             if (s == 0) TMARK_TILE(c, tk, 11, 22);
+#if ATT_ROWS
+            ATT_LOOP
+            for (int j = warp; j < cnt; j += NW) att_row(Kb + j * RS + ln * ADPL, Vb + j * RS + ln * ADPL, qv, scale, wm, wl, wo);
+            csync();  // buffer (s % KV_BUFS) is free again
+            if (s == 0) TMARK_TILE(c, tk, 16, 25);
+#else
             // scores: lpr lanes per K row, reduced by shuffles within the row's lanes
             ATT_LOOP
             for (int gi = 0; gi < G; ++gi) {
@@ -294,10 +381,41 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             }
             csync();  // buffer (s % KV_BUFS) and red are free again
             if (s == 0) TMARK_TILE(c, tk, 19, 28);
+#endif
             if (s + KV_BUFS < nsub) att_issue(Kb, Vb, kc, vc, a + KV_BUFS * ATT_SUB, min(a + (KV_BUFS + 1) * ATT_SUB, p1), skip, hd, RS);
             else cp_commit();
         }
         cp_wait_all();
+#if ATT_ROWS
+        {   // the warps' states merged into ob / s_m / s_l (red and the K/V buffers are free now)
+            float* wml = red;                // [NW][AG] (m, l)
+            float* wro = red + ATT_ROWS_ML;  // [NW][AG][hd] o
+#pragma unroll
+            for (int g = 0; g < AG; ++g) {
+#pragma unroll
+                for (int i = 0; i < ADPL; ++i) wro[(warp * AG + g) * hd + ln * ADPL + i] = wo[g][i];
+                if (ln == 0) { wml[(warp * AG + g) * 2] = wm[g]; wml[(warp * AG + g) * 2 + 1] = wl[g]; }
+            }
+            csync();
+            ATT_LOOP
+            for (int i = tid; i < GH; i += NT) {
+                const int gi = i / hd, d = i - gi * hd;
+                float M = -__int_as_float(0x7f800000);
+#pragma unroll
+                for (int w = 0; w < NW; ++w) M = fmaxf(M, wml[(w * AG + gi) * 2]);
+                float L = 0.f, O = 0.f;
+#pragma unroll
+                for (int w = 0; w < NW; ++w) {  // a warp without rows has m = -inf: weight 0
+                    const float f = expf(wml[(w * AG + gi) * 2] - M);
+                    L = fmaf(f, wml[(w * AG + gi) * 2 + 1], L);
+                    O = fmaf(f, wro[(w * AG + gi) * hd + d], O);
+                }
+                ob[i] = O;
+                if (d == 0) { s_m[gi] = M; s_l[gi] = L; }
+            }
+            csync();
+        }
+#endif
         TMARK_TILE(c, tk, 12, 23);
         ATT_LOOP
         for (int i = tid; i < GH; i += NT) {
