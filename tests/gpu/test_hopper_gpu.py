@@ -262,48 +262,38 @@ def test_tag_down_matches_reference(name, monkeypatch):
         hb.close()
 
 
-@pytest.mark.parametrize("defer", [0, 1])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "laneformer-lane"])
-def test_defer_norm_matches_reference(name, defer, monkeypatch):
-    """Both ways of a normed stage: the deferred norm (default since v21: the rows multiplied by the
-    norm weights as they land, each dot product divided by d in the epilogue) and the normalise pass
-    (KOG_HOPPER_DEFER_NORM=0, also what a model with more than 16 input rows a block gets). Logits at
-    every position and greedy tokens match the reference; the Laneformer case has several input rows
-    (lanes) per block, each with its own d."""
-    monkeypatch.setenv("KOG_HOPPER_DEFER_NORM", str(defer))
+def _small_or_laneformer(name):
+    """(arch, program, weights) of a small test model or of a Laneformer one ("laneformer-...")."""
     if name.startswith("laneformer"):
         pytest.importorskip("kog_laneformer")
         from .hopper_models import laneformer_model
-        arch, prog, w = laneformer_model(name)
-    elif name not in SMALL:
+        return laneformer_model(name)
+    if name not in SMALL:
         pytest.skip(f"no small model {name!r}")
-    else:
-        arch, prog, w = model(name)
+    return model(name)
+
+
+# Defaults of v21 and the forms they replaced, each still reachable: (knob, models)
+BOTH_WAYS = [
+    # the deferred norm (rows multiplied by the norm weights as they land, each dot product divided
+    # by d in the epilogue) against the normalise pass, which a model with more than 16 input rows
+    # a block also gets; the Laneformer case has several input rows (lanes) a block, each its own d
+    ("DEFER_NORM", ["llama", "qwen2", "laneformer-lane"]),
+    # the signal warp asleep in the consumers' end-of-stage barrier against polling the word thread
+    # 0 sets after it; a request that ends (max tokens) must let the kernel exit either way
+    ("SIGNAL_BAR", ["llama", "laneformer-lane"]),
+]
+
+
+@pytest.mark.parametrize("knob,value,name", [(k, v, n) for k, names in BOTH_WAYS for v in (0, 1) for n in names])
+def test_both_ways_of_a_default_match_reference(knob, value, name, monkeypatch):
+    """KOG_HOPPER_<knob> = 0 and 1 (BOTH_WAYS): logits at every position and greedy tokens match
+    the reference, and the build really is the one asked for."""
+    monkeypatch.setenv(f"KOG_HOPPER_{knob}", str(value))
+    arch, prog, w = _small_or_laneformer(name)
     ref, hb = _backends(prog, w)
     try:
-        assert hb.variant.get("DEFER_NORM", 0) == defer
+        assert hb.variant.get(knob, 0) == value
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=5, max_tokens=64)
-    finally:
-        hb.close()
-
-
-@pytest.mark.parametrize("bar", [0, 1])
-@pytest.mark.parametrize("name", ["llama", "laneformer-lane"])
-def test_signal_warp_both_ways_matches_reference(name, bar, monkeypatch):
-    """The signal warp sleeping in the consumers' end-of-stage barrier (SIGNAL_BAR, default since
-    v21) and polling the word thread 0 sets after it (KOG_HOPPER_SIGNAL_BAR=0). Same logits and
-    tokens as the reference, and a request that ends (max tokens) lets the kernel exit: the warp
-    leaves through the consumers' last barrier."""
-    monkeypatch.setenv("KOG_HOPPER_SIGNAL_BAR", str(bar))
-    if name.startswith("laneformer"):
-        pytest.importorskip("kog_laneformer")
-        from .hopper_models import laneformer_model
-        arch, prog, w = laneformer_model(name)
-    else:
-        arch, prog, w = model(name)
-    ref, hb = _backends(prog, w)
-    try:
-        assert hb.variant.get("SIGNAL_BAR", 0) == bar
-        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
     finally:
         hb.close()

@@ -15,13 +15,10 @@
 #endif
 // ATT_COMBINE_BATCH (session 12; KOG_HOPPER_DEFINES=ATT_COMBINE_BATCH=0 for the old form): the
 // last tile of a kv head copies every chunk's partial output into shared memory at once (cp.async,
-// no registers held) instead of loading one chunk per round trip. ATT_TICKET_FENCE=1: the old
-// fence after the ticket's reset (a gpu-scope fence waits ~1 us behind the ring's copies).
+// no registers held) instead of loading one chunk per round trip. (Its ticket's reset lost its
+// own fence in the same change: a gpu-scope fence waits ~1 us behind the ring's copies; session 12.)
 #ifndef ATT_COMBINE_BATCH
 #define ATT_COMBINE_BATCH 1
-#endif
-#ifndef ATT_TICKET_FENCE
-#define ATT_TICKET_FENCE 0
 #endif
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that
 // the tiles roughly fill the grid; partial (m, l, o) go to a scratch buffer and the last tile
@@ -442,7 +439,6 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 // the reset needs no fence of its own: the next use of the ticket (this layer, next
                 // token) comes after this block's release of the stage, whose fence orders it
                 if (s_last) *ticket = 0u;
-                if (s_last && ATT_TICKET_FENCE) __threadfence();  // the old form, for the A/B
             }
             csync();
             if (s_last) {
@@ -473,25 +469,8 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 cp_wait_all();
                 csync();
                 ATT_LOOP
-                for (int i = tid; i < GH && batch; i += NT) {
-                    const int gi = i / hd, h = g * G + gi;
-                    const float* ml = mls + gi * nch * 2;
-                    float M = -__int_as_float(0x7f800000);
-                    ATT_LOOP
-                    for (int k = 0; k < nch; ++k) M = fmaxf(M, ml[2 * k]);
-                    float num = 0.f, den = 0.f;  // the same additions in the same order as the loop below
-                    ATT_LOOP
-                    for (int k = 0; k < nch; ++k) {
-                        const float w = expf(ml[2 * k] - M);
-                        num = fmaf(w, osm[k * GH + i], num);
-                        den = fmaf(w, ml[2 * k + 1], den);
-                    }
-                    ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + (i - gi * hd)] = num / den;
-                }
-                ATT_LOOP
-                for (int i = tid; i < GH && !batch; i += NT) {
-                    int gi = i / hd, d = i % hd;
-                    int h = g * G + gi;
+                for (int i = tid; i < GH; i += NT) {
+                    const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
                     const float* ml = mls + gi * nch * 2;
                     float M = -__int_as_float(0x7f800000);
                     ATT_LOOP
@@ -500,8 +479,8 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                     const float* po = partO + (((i64)l * H + h) * MAXCH) * hd + d;
                     ATT_LOOP
                     for (int k = 0; k < nch; ++k) {
-                        float w = expf(ml[2 * k] - M);
-                        num = fmaf(w, __ldcg(po + (i64)k * hd), num);
+                        const float w = expf(ml[2 * k] - M);
+                        num = fmaf(w, batch ? osm[k * GH + i] : __ldcg(po + (i64)k * hd), num);
                         den = fmaf(w, ml[2 * k + 1], den);
                     }
                     ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = num / den;
