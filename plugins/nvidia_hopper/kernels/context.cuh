@@ -16,10 +16,13 @@
 #ifdef TRACE
 #define NTRACE 4
 #define TRACE_W 31
-__device__ __forceinline__ u64* trace_row(const i64* run, int it, int s, int nst) {
-    const int k = it - (int)run[R_TRACE_IT0];
-    if (!run[R_TRACE] || k < 0 || k >= NTRACE) return nullptr;
-    return (u64*)run[R_TRACE] + (((i64)k * nst + s) * gridDim.x + blockIdx.x) * TRACE_W;
+// The row of token iteration `it`, stage s (null: not traced). base = run[R_TRACE] and it0 =
+// run[R_TRACE_IT0], read once at the start (Ctx.tbase / tit0): a read of run[] after an acquire
+// poll has emptied L1 is an L2 round trip that delayed the stamp after it by ~0.3 us (session 12).
+__device__ __forceinline__ u64* trace_row_at(u64* base, int it0, int it, int s, int nst) {
+    const int k = it - it0;
+    if (!base || k < 0 || k >= NTRACE) return nullptr;
+    return base + (((i64)k * nst + s) * gridDim.x + blockIdx.x) * TRACE_W;
 }
 #define TMARK(c, f) do { if ((c).tr && threadIdx.x == 0) (c).tr[f] = gtimer(); } while (0)
 // an attention stamp: field f on the block's first tile (tk 0), f2 on its second (tk 1)
@@ -38,7 +41,9 @@ __shared__ __align__(16) i64 s_desc[3][NSLOT];
 __shared__ int4 s_blk[3];
 struct Ctx {
 #ifdef TRACE
-    u64* tr;
+    u64* tr;            // this stage's trace row (null: not traced)
+    u64* tbase;         // run[R_TRACE] and run[R_TRACE_IT0], read once at the start
+    int tit0;
 #endif
     int dcur, dprev;    // s_desc rows of this stage's and the previous stage's descriptors
     int4 blk;           // this block's share of a matvec stage: items, first lane, lanes

@@ -68,6 +68,10 @@ typedef long long i64;
 // Exits when the request ends, after the last stage's add.
 __device__ __noinline__ void signal_stages(u32* counters, int nst, const i64* run) {
     if ((threadIdx.x & 31) != 0) return;
+#ifdef TRACE
+    u64* const tbase = (u64*)run[R_TRACE];  // read once: the stamps below must not wait on loads
+    const int tit0 = (int)run[R_TRACE_IT0];
+#endif
     u32 done = 0;
     for (;;) {
         const u32 now = (u32)atomicAdd(&s_staged, 0u);  // the red.release below is also the acquire fence
@@ -77,7 +81,7 @@ __device__ __noinline__ void signal_stages(u32* counters, int nst, const i64* ru
         }
         for (; done < now; ++done) {
 #ifdef TRACE
-            u64* tr = trace_row(run, (int)(done / (u32)nst), (int)(done % (u32)nst), nst);
+            u64* tr = trace_row_at(tbase, tit0, (int)(done / (u32)nst), (int)(done % (u32)nst), nst);
             if (tr) tr[29] = gtimer();
 #endif
             red_release(counters + done % (u32)nst, 1u);
@@ -105,13 +109,17 @@ __device__ __forceinline__ void stage_end_sync() {
 }
 __device__ __noinline__ void signal_stages_bar(u32* counters, int nst, const i64* run) {
     const bool last_only = ((int)run[R_SKIP] >> 8) & 1;  // benchmark bit 8: only the token's last stage signals
+#ifdef TRACE
+    u64* const tbase = (u64*)run[R_TRACE];  // read once: the stamps below must not wait on loads
+    const int tit0 = (int)run[R_TRACE_IT0];
+#endif
     for (u32 done = 0;; ++done) {
         stage_end_sync();
         if (atomicAdd(&s_done, 0)) return;  // set before the consumers' final barrier (atomics on both sides)
         const u32 s = done % (u32)nst;
         if ((threadIdx.x & 31) == 0 && (!last_only || s == (u32)nst - 1)) {
 #ifdef TRACE
-            u64* tr = trace_row(run, (int)(done / (u32)nst), (int)s, nst);
+            u64* tr = trace_row_at(tbase, tit0, (int)(done / (u32)nst), (int)s, nst);
             if (tr) tr[29] = gtimer();
 #endif
             red_release(counters + s, 1u);
@@ -136,6 +144,10 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     c.logits_mode = (int)run[R_LOGITS_MODE];
     c.skipmask = (int)run[R_SKIP];
     c.it = 0;
+#ifdef TRACE
+    c.tbase = (u64*)run[R_TRACE];
+    c.tit0 = (int)run[R_TRACE_IT0];
+#endif
     const int start_pos = (int)run[R_START_POS];
     c.start_pos = start_pos;
     const int* prompt = (const int*)run[R_PROMPT];
@@ -191,7 +203,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             const u32 wtarget = (c.skipmask >> 6) & 1 ? 0u : s > 0 ? nb * (u32)(it + 1) : nb * (u32)it;  // bit 6: stream only
             if (s == 0) c.tok = it < c.P ? prompt[it] : (int)ldi64(run + R_TOK);  // written before the previous iteration's last wait
 #ifdef TRACE
-            c.tr = trace_row(run, it, s, nst);
+            c.tr = trace_row_at(c.tbase, c.tit0, it, s, nst);
             if (c.tr && threadIdx.x == 0) { u32 sm; asm("mov.u32 %0, %%smid;" : "=r"(sm)); c.tr[7] = sm; }
 #endif
             TMARK(c, 0);

@@ -147,7 +147,7 @@ __device__ __noinline__ void produce(const Ctx& c) {
             if (ln == 0) {
                 int done = 0;
 #ifdef TRACE
-                u64* tr = trace_row(c.run, t, (int)(f >> 8), (int)c.nst);
+                u64* tr = trace_row_at(c.tbase, c.tit0, t, (int)(f >> 8), (int)c.nst);
                 if (tr && !tr[4]) tr[4] = gtimer();
                 const u64 tw = gtimer();
 #endif
