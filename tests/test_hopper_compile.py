@@ -863,3 +863,31 @@ def test_attention_warp_rows_compile_for_other_shapes(shape):
         rows, _, _ = _compile_clean(**DEFAULT, **consts)
         steps, _, _ = _compile_clean(**DEFAULT, **consts, ATT_WARP_ROWS=0)
         assert rows != steps
+
+
+def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
+    """schedule._fuse_lane_residual (KOG_HOPPER_FUSE_LANE_RESIDUAL=1, an experiment): on
+    laneformer-2b every "delayed" lane_residual (and the collective before it) goes into the
+    epilogue of the matvec that writes its fresh partial, one stage fewer each; the early layers'
+    "allreduce" / "local" residuals stay elementwise stages; the build with the fused epilogue
+    (LANE_RESIDUAL) has no spills, and the default build none of its code."""
+    from kog_core.interfaces import resolve_factory
+    from kog_core.plugins import load_registry
+    from kog_laneformer.presets import LANEFORMER_2B
+    from kog_nvidia_hopper import schedule as S
+    arch = resolve_factory(load_registry().architectures["laneformer"].factory)(LANEFORMER_2B.config)
+    prog = arch.lower(context_length=4096, kv_dtype="bf16")
+    plain = S.lower(prog, 132, 320, 1)
+    fused = S.lower(prog, 132, 320, 1, fuse_lane_residual=True)
+    delayed = [i for i, op in enumerate(prog.ops) if op.kind == "lane_residual" and op.attr("mode") == "delayed"]
+    segs = [(st, sg) for st in fused for sg in st.segs if sg["SEG_LRX"]]
+    assert delayed and len(segs) == len(delayed) == len(plain) - len(fused)
+    for st, sg in segs:
+        op = next(prog.ops[j] for j in st.ops if prog.ops[j].kind == "lane_residual")
+        assert sg["out_name"] == op.inputs[1] and sg["SEG_LRX"] == "@" + op.inputs[0] and sg["SEG_LRD"] == "@" + op.inputs[2]
+    left = [st for st in fused if st.label == "lane_residual"]
+    assert len(left) == sum(1 for op in prog.ops if op.kind == "lane_residual") - len(delayed) > 0
+    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    _compile_clean(**DEFAULT, LANE_RESIDUAL=1)
+    with_lr, _, _ = _compile_clean(**DEFAULT, **consts, LANE_RESIDUAL=1)
+    assert _compile(**DEFAULT, **consts)[0] != with_lr

@@ -140,7 +140,10 @@ class HopperBackend(KernelBackend):
         self.nthreads = self.nt + 32 + 32 * self.signal_warp  # + the producer warp (+ the signal warp)
         # attention K/V sub-chunk buffers: 1 by default leaves 17 KB more shared memory to the weight ring
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
-        stages = S.lower(program, self.nb, self.nt, self.kv_bufs)
+        # Laneformer's delayed DTP residual in the epilogue of the matvec that makes its partial
+        # (schedule._fuse_lane_residual; an experiment written in session 12, not yet run on the GPU)
+        fuse_lr = bool(_env_int("KOG_HOPPER_FUSE_LANE_RESIDUAL", 0, lo=0, hi=1))
+        stages = S.lower(program, self.nb, self.nt, self.kv_bufs, fuse_lane_residual=fuse_lr)
         # attention tiles to aim for (attention_plan.cuh att_chunks; default one per block): fewer, longer
         # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8);
         # more than one per block gives blocks a second tile, whose code has just run (the trace
@@ -289,6 +292,8 @@ class HopperBackend(KernelBackend):
             variant.update(S.attention_shape_consts(stages))
         if _env_int("KOG_HOPPER_STREAM_L2_FIRST", 1, lo=0, hi=1):
             variant["STREAM_L2_FIRST"] = 1
+        if any(sg.get("SEG_LRX") for st in stages for sg in st.segs):
+            variant["LANE_RESIDUAL"] = 1
         if self.tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
         if self.sample_grid:

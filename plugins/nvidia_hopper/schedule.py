@@ -35,7 +35,7 @@ SLOTS = dict(
     MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_OUT_STRIDE=15, MV_SEG0=16,
     MV_PACKED=65, MV_ATTN=66, MV_TAG=67,
     SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
-    SEG_RESL=8, SEG_W2=9,
+    SEG_RESL=8, SEG_W2=9, SEG_LRX=10, SEG_LRD=11,
     # attention
     AT_L=1, AT_H=2, AT_HKV=3, AT_HD=4, AT_T=5, AT_WINDOW=6, AT_MAXCH=7, AT_SCALE=8, AT_Q=9,
     AT_KC=10, AT_VC=11, AT_OUT=12, AT_ROPE_Q=13, AT_ROPE_K=14, AT_COS=15, AT_SIN=16, AT_KNEW=17,
@@ -110,7 +110,11 @@ def _writes_between(ops, i, j, name):
     return any(name in ops[k].outputs for k in range(i + 1, j))
 
 
-def lower(program: DecodeProgram, nb: int, nt: int = NT, kv_bufs: int = 2) -> list[Stage]:
+def lower(program: DecodeProgram, nb: int, nt: int = NT, kv_bufs: int = 2,
+          fuse_lane_residual: bool = False) -> list[Stage]:
+    """The program's ops grouped into stages (docs/nvidia-hopper.md "From decode program to
+    stages"). fuse_lane_residual: a Laneformer "delayed" lane_residual right after the matvec that
+    writes its fresh partial runs in that matvec's epilogue (_fuse_lane_residual)."""
     P = program
     ops = P.ops
     T = P.tensors
@@ -222,6 +226,9 @@ def lower(program: DecodeProgram, nb: int, nt: int = NT, kv_bufs: int = 2) -> li
             # embedding written by this stage: no longer pending
             if ld["mode"] & 1:
                 pending.pop(ld["emb_name"], None)
+            if fuse_lane_residual:
+                consumed |= _fuse_lane_residual(P, ops, max(consumed) + 1, segs, pending)
+                st.ops = sorted(consumed)
             i = max(consumed) + 1
             continue
         if k in ("rope", "kv_append", "attention"):
@@ -251,6 +258,27 @@ def lower(program: DecodeProgram, nb: int, nt: int = NT, kv_bufs: int = 2) -> li
     return stages
 
 
+def _fuse_lane_residual(P, ops, j, segs, pending) -> set:
+    """Laneformer's DTP residual in the epilogue of the matvec that makes its fresh partial:
+    ops j.. may be `collective`s of a segment's output (no-ops on one GPU), then a `lane_residual`
+    in "delayed" mode, x[l] += fresh[l] + sum_{j != l} delayed[j], whose fresh is a plain
+    (unpaired) segment's output with x's shape and x is not pending. The segment then also updates
+    x (SEG_LRX) from the delayed partials (SEG_LRD): the same additions in the same order as the
+    elementwise stage, one stage boundary less. Returns the op indices taken (empty: none)."""
+    outs = {sg["out_name"]: sg for sg in segs if not sg["SEG_W2"] and not sg["SEG_BIAS"] and not sg["SEG_RES"]}
+    k = j
+    while k < len(ops) and ops[k].kind == "collective" and ops[k].inputs[0] in outs:
+        k += 1
+    if k >= len(ops) or ops[k].kind != "lane_residual" or ops[k].attr("mode") != "delayed" or P.lanes > 32:
+        return set()  # (the epilogue gathers the lanes' partials across one warp: at most 32)
+    x, fresh, delayed = ops[k].inputs[0], ops[k].inputs[1], ops[k].inputs[2]
+    T = P.tensors
+    if fresh not in outs or x in pending or x in outs or T[x].shape != T[fresh].shape or T[delayed].shape != T[x].shape:
+        return set()
+    outs[fresh].update(SEG_LRX="@" + x, SEG_LRD="@" + delayed)
+    return set(range(j, k + 1))
+
+
 def _seg(P, op, L, w2=None, out=None):
     W = P.tensors[op.inputs[1]]
     if len(W.shape) == 3:
@@ -267,7 +295,7 @@ def _seg(P, op, L, w2=None, out=None):
     d = dict(SEG_W="@" + op.inputs[1], SEG_WL=wl, SEG_N=N, SEG_OUT="@" + o, SEG_OUTL=ol,
              SEG_BIAS=("@" + bias) if bias else 0, SEG_BIASL=(N if bias and len(P.tensors[bias].shape) == 2 else 0),
              SEG_RES=("@" + res) if res else 0, SEG_RESL=(P.tensors[res].shape[-1] if res else 0),
-             SEG_W2=("@" + w2) if w2 else 0, out_name=o)
+             SEG_W2=("@" + w2) if w2 else 0, SEG_LRX=0, SEG_LRD=0, out_name=o)
     # lanes this segment computes: one slice per lane for 3-D weights, else the input's lanes
     xs = P.tensors[op.inputs[0]].shape
     d["lanes"] = W.shape[0] if len(W.shape) == 3 else (xs[0] if len(xs) == 2 else 1)

@@ -284,6 +284,17 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
 #define DEBUG_DOT 0
 #endif
 
+// LANE_RESIDUAL (KOG_HOPPER_FUSE_LANE_RESIDUAL=1, an experiment written in session 12, not yet run
+// on the GPU; the backend defines it when a stage has a fused segment): Laneformer's "delayed"
+// lane_residual, x[l] += fresh[l] + sum_{j != l} delayed[j], in the epilogue of the matvec that
+// writes fresh (schedule._fuse_lane_residual): the row group's x and its L lanes' delayed partials
+// are read with its first slice (lane j of the warp loads lane j's), summed in lane order by
+// shuffles after its last, so the result is the elementwise stage's to the bit, and the layer
+// loses two stage boundaries (~2 us each).
+#ifndef LANE_RESIDUAL
+#define LANE_RESIDUAL 0
+#endif
+
 // Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
 // the item's k-slices in registers (a row group's slices are consecutive items of one block), and
 // writes its outputs after the last slice. Every consumer thread releases every slot (empty barrier: NT arrivals).
@@ -341,6 +352,9 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
     int bidx = 0x7fffffff;
     float acc0 = 0.f, acc1 = 0.f;
     float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane 0)
+#if LANE_RESIDUAL
+    float dv0 = 0.f, dv1 = 0.f;  // SEG_LRX: lane j's delayed partial of the row group's rows (j < L)
+#endif
     for (int j = 0; j < nitems; ++j, ++q) {
         const u32 slot = q % NSLOTS;
 #ifdef TRACE
@@ -366,6 +380,14 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]); }
             if (res) { const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
         }
+#if LANE_RESIDUAL
+        const float* lrd = (const float*)sg[SEG_LRD];  // the DTP residual (schedule._fuse_lane_residual): no bias, no res
+        if ((g.z & IT_FIRST) && lrd && va) {
+            const i64 ol = sg[SEG_OUTL];
+            if (ln == 0) { const float* xr = (const float*)sg[SEG_LRX] + lane * ol; e0 = ldf(xr + r0); if (vb) e1 = ldf(xr + r1); }
+            if (ln < (int)st[MV_L]) { dv0 = ldf(lrd + ln * ol + r0); if (vb) dv1 = ldf(lrd + ln * ol + r1); }
+        }
+#endif
         if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; }
         if (va) {
             const int n8 = g.y >> 3;
@@ -388,6 +410,15 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         if (!(g.z & IT_LAST)) continue;
         acc0 = warp_sum(acc0);
         acc1 = warp_sum(acc1);
+#if LANE_RESIDUAL
+        float lr0 = acc0, lr1 = acc1;  // SEG_LRX: fresh + the other lanes' delayed partials, in lane order
+        if (lrd && va) {               // (every lane of the warp takes part in the shuffles)
+            for (int j = 0; j < (int)st[MV_L]; ++j) {
+                const float d0 = __shfl_sync(0xffffffffu, dv0, j), d1 = __shfl_sync(0xffffffffu, dv1, j);
+                if (j != lane) { lr0 += d0; lr1 += d1; }
+            }
+        }
+#endif
         if (ln != 0 || !va) continue;
 #if DEFER_NORM
         if (mode & IN_NORM) {  // the deferred norm: d of this row group's input row (its lane)
@@ -413,6 +444,13 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         if (res) { y0 += e0; if (vb) y1 += e1; }
         out[r0] = y0;
         if (vb) out[r1] = y1;
+#if LANE_RESIDUAL
+        if (lrd) {  // x[lane] += fresh + sum of the others' delayed, as the elementwise stage adds them
+            float* xr = (float*)sg[SEG_LRX] + lane * sg[SEG_OUTL];
+            xr[r0] = e0 + lr0;
+            if (vb) xr[r1] = e1 + lr1;
+        }
+#endif
         if (flags & MVF_ARGMAX) {  // NaN never wins; ties go to the lower index
             if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
             if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
