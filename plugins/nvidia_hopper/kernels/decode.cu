@@ -94,11 +94,12 @@ __device__ __noinline__ void signal_stages(u32* counters, int nst, const i64* ru
 
 // SIGNAL_BAR (with SIGNAL_WARP; KOG_HOPPER_SIGNAL_BAR): the signal warp sleeps in the consumers'
 // end-of-stage barrier itself (named barrier 2, NT + 32 threads) instead of polling s_staged, which
-// thread 0 set after that barrier: the trace measured ~0.3 us from a block's barrier to its signal
-// warp's release (thread 0's fence and exchange, then the poll), at every stage boundary. The
-// barrier orders the consumers' writes before the release's fence (cumulative at gpu scope). The
-// consumers can never wait on it: stage s + 1 ends only after this block's release of stage s
-// (every stage waits on the previous stage's count), so the warp is always back at the barrier.
+// thread 0 set after that barrier (thread 0's fence and exchange, then the poll, at every stage
+// boundary; +0.7% on bench-2b, session 12). The barrier orders the consumers' writes before the
+// release's fence (cumulative at gpu scope). The consumers do not wait on it: stage s + 1 ends only
+// after this block's release of stage s (every stage waits on the previous stage's count), so the
+// warp is back at the barrier first. (In the benchmark's no-wait modes, or with TAG_DOWN, they may
+// reach it first and then wait for the warp there: slower, never wrong.)
 #ifndef SIGNAL_BAR
 #define SIGNAL_BAR 0
 #endif
