@@ -286,6 +286,9 @@ BOTH_WAYS = [
     # Laneformer's delayed DTP residual in the matvec epilogue (an experiment, session 12): both
     # small models have delayed layers (delay 1 of 2 layers, delay 2 of 3)
     ("FUSE_LANE_RESIDUAL", "LANE_RESIDUAL", ["laneformer-lane", "laneformer-replicate"]),
+    # the attention taking q / k / v by their parity bit instead of after the qkv stage's count (an
+    # experiment, session 12): q/k/v bias (qwen2) and lanes (Laneformer) included
+    ("TAG_QKV", "TAG_QKV", ["llama", "qwen2", "laneformer-lane"]),
 ]
 
 
