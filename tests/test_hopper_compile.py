@@ -477,7 +477,7 @@ def test_stream_probe_rounds_are_well_formed():
     (instruction fetch) times the code block with every eviction size, alone and beside the ring."""
     from kog_nvidia_hopper import stream_probe as P
     known = set(P.DECODE_RING) | {"blocks", "trace", "wrap", "lsu_kb", "evict", "unroll", "threads", "l2_first"}
-    for r in range(1, 12):
+    for r in range(1, 13):
         for name, kind, settings in P.configs(round_=r):
             assert kind in ("ring", "ldg", "lat") and name.strip(), (r, name)
             assert set(settings) <= known, (r, name, set(settings) - known)

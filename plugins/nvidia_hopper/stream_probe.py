@@ -40,7 +40,7 @@ def configs(quick: bool = False, round_: int = 1):
     if round_ != 1:
         return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6,
                 7: configs_round7, 8: configs_round8, 9: configs_round9,
-                10: configs_round10, 11: configs_round11}[round_]()
+                10: configs_round10, 11: configs_round11, 12: configs_round12}[round_]()
     out = []
     base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
@@ -228,6 +228,17 @@ def configs_round11():
     return out
 
 
+def configs_round12():
+    """Does the ring's rate follow the bytes of its items? Every K = 2048 stage (and the LM head,
+    which streams at 3.81 TB/s in its steady state, session 12) fills its 31 KB slots 30 / 30 / 20
+    KB, 26.7 on average: the decode ring with smaller items in the same slots, as evict-first."""
+    base = dict(DECODE_RING, l2_first=1)
+    out = [("ring as decode, 6 x 31 KB items, evict-first", "ring", base)]
+    out += [(f"  6 x {kb} KB items", "ring", dict(base, kb=kb)) for kb in (27, 24, 20)]
+    out += [("  7 x 27 KB items (the same bytes in flight as 6 x 31)", "ring", dict(base, slots=7, kb=27))]
+    return out
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -254,7 +265,8 @@ def main():
                     help="1: the survey; 2: why pauses are not hidden; 3: copy engine vs cp.async; 4: both; "
                          "5: ring + register loads; 6: a load's latency while the ring streams; 7: the ring from L2; "
                          "8: consumer time per item; 9: instruction fetch; 10: the same, clock fixed, and the "
-                         "ring's copies L2 evict-first; 11: instruction cache sizes (several: in turn)")
+                         "ring's copies L2 evict-first; 11: instruction cache sizes; 12: item bytes "
+                         "in the same slots (several: in turn)")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
