@@ -34,10 +34,12 @@ __device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
     return (float4*)(x + ((i4 & 1) ? (K >> 1) : 0) + 4 * (i4 >> 1));
 }
 
+// XV: float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT.
+// 7 loads down's 8192 in one round trip at 10 warps: no spills in bench-2b's v21 build (the generic
+// and trace builds spill) and level with 6 (session 12); 8 spills.
 #ifndef XV
 #define XV 6
-#endif  // float4 of the input row per thread in flight at once: one round trip for K <= XV * 4 * NT
-                // (7 or 8, to load down's 8192 in one round trip at 10 warps, spill 84+ bytes)
+#endif
 // X_CPASYNC (an experiment, off; KOG_HOPPER_X_CPASYNC=1): a stage's input row (not an embedding
 // row) comes by cp.async straight into shared memory: one round trip for any K (down's 8192 takes
 // two with XV 6 at 10 warps). Measured 13% slower (perf notes session 9).
@@ -91,7 +93,8 @@ __device__ __forceinline__ float4 ldcg4_volatile(const float4* p) {  // re-read 
     return r;
 }
 
-// DEFER_NORM (an experiment, session 11, never run on the GPU; KOG_HOPPER_DEFER_NORM=1): a normed
+// DEFER_NORM (the backend's default since v21, +1.6% on bench-2b; KOG_HOPPER_DEFER_NORM=0 for the
+// normalise pass, which a block with more than DEFER_NORM_LANES input rows also gets): a normed
 // stage computes W (x / d * w) as (W (x * w)) / d. The loader stores x * w as its loads land and
 // leaves each warp's partial sum of squares in s_normsq; the division by d = sqrt(mean(x^2) + eps)
 // moves to each row group's epilogue. The block reduction (three barriers) and the separate

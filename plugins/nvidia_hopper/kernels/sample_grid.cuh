@@ -177,8 +177,9 @@ __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n) {
             prefix = (prefix << 8) | (u64)chosen;
             const u32 count = nz ? h->cnt[chosen] : 1u;  // no candidate at all cannot happen; end the select
             SG_STAMP(4);
-            if (count == 1 || pass == 7) {  // pass 7: the key is the prefix
-                floor = nz ? (u64)hkx[chosen] | ((u64)hkx[256 + chosen] << 32) : floor;  // the bin's one key
+            // the bin's one key (by pass 7 every bit is chosen, and keys are unique: one candidate)
+            if (count == 1 || pass == 7) {
+                floor = nz ? (u64)hkx[chosen] | ((u64)hkx[256 + chosen] << 32) : floor;
                 ++r;
                 break;
             }
