@@ -85,6 +85,13 @@ def _bench2b_stages_as_loaded():
     return stages
 
 
+@functools.lru_cache(maxsize=None)
+def _bench2b_shape_consts() -> tuple:
+    """The attention's compile-time shapes (ATC_*) of bench-2b's default build, as sorted pairs."""
+    from kog_nvidia_hopper import schedule as S
+    return tuple(sorted(S.attention_shape_consts(_bench2b_stages_as_loaded()).items()))
+
+
 @pytest.fixture(scope="module")
 def compiled():
     return _compile(**DEFAULT)
@@ -551,9 +558,7 @@ def test_tag_down_marks_each_gate_up_and_down_pair_with_alternating_writes():
 
 def test_tag_down_build_compiles_and_leaves_the_default_alone():
     """The TAG_DOWN build has no spills; the parity code exists only in it."""
-    from kog_nvidia_hopper import schedule as S
-    from kog_nvidia_hopper.cuda_util import source
-    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    consts = dict(_bench2b_shape_consts())
     cubin, log, rep = _compile_clean(**DEFAULT, **consts, TAG_DOWN=1)
     default, _, _ = _compile(**DEFAULT, **consts)
     assert _code_bytes(default) < _code_bytes(cubin)
@@ -626,8 +631,7 @@ def test_attention_shape_constants_for_bench_2b_and_none_when_stages_differ():
 
 def test_attention_shape_constants_build_compiles_smaller():
     """The SHAPE_CONSTS build (bench-2b's shapes) compiles without spills to fewer instructions."""
-    from kog_nvidia_hopper import schedule as S
-    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    consts = dict(_bench2b_shape_consts())
     cubin, log, rep = _compile_clean(**DEFAULT, **consts)
     default, _, _ = _compile(**DEFAULT)
     assert _code_bytes(cubin) < _code_bytes(default)
@@ -639,8 +643,7 @@ def test_v18b_defaults_make_the_code_smaller(off):
     attention's divisions by its chunk count from a corrected float estimate), defaults since v18b:
     turned off (KOG_HOPPER_NORM_RCP=0, KOG_HOPPER_ATT_FASTDIV=0) the build still has no spills, and
     more code on the per-layer path."""
-    from kog_nvidia_hopper import schedule as S
-    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    consts = dict(_bench2b_shape_consts())
     _compile_clean(**dict(DEFAULT, **consts, **off))
     # sizes compared with block 0's sampler: the grid sampler's allocation moves the total by more
     # than these changes (it is off the per-layer path); with the normalise pass (DEFER_NORM=0),
@@ -808,9 +811,8 @@ def test_signal_bar_build_uses_a_third_barrier():
 def test_sass_report_builds_the_default():
     """sass_report's build is the backend's default for bench-2b: the compile tests' DEFAULT plus
     the ring and bench-2b's attention shapes (it once lagged three versions behind)."""
-    from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
-    shapes = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    shapes = dict(_bench2b_shape_consts())
     assert DEFAULT_BUILD == dict(DEFAULT, **shapes, NSLOTS=6, SLOT_BYTES=31744, RING_OFF=32768, PREFETCH=0)
 
 
@@ -856,8 +858,7 @@ def test_attention_warp_rows_compile_for_other_shapes(shape):
     own running softmax over whole K/V rows. Builds for other head sizes and group sizes have no
     spills; bench-2b's build differs from the block-step form (ATT_WARP_ROWS=0), so the path is
     really taken there."""
-    from kog_nvidia_hopper import schedule as S
-    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    consts = dict(_bench2b_shape_consts())
     _compile_clean(**dict(DEFAULT, **dict(consts, **shape)))
     if shape["ATC_HD"] == 64:
         rows, _, _ = _compile_clean(**DEFAULT, **consts)
@@ -887,7 +888,7 @@ def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
         assert sg["out_name"] == op.inputs[1] and sg["SEG_LRX"] == "@" + op.inputs[0] and sg["SEG_LRD"] == "@" + op.inputs[2]
     left = [st for st in fused if st.label == "lane_residual"]
     assert len(left) == sum(1 for op in prog.ops if op.kind == "lane_residual") - len(delayed) > 0
-    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    consts = dict(_bench2b_shape_consts())
     _compile_clean(**DEFAULT, LANE_RESIDUAL=1)
     with_lr, _, _ = _compile_clean(**DEFAULT, **consts, LANE_RESIDUAL=1)
     assert _compile(**DEFAULT, **consts)[0] != with_lr
@@ -912,7 +913,7 @@ def test_qkv_tagging_takes_every_layer_or_none_and_compiles():
                  num_key_value_heads=1, head_dim=64, intermediate_size=512, vocab_size=1500)
     p3 = Llama(qwen3).lower(context_length=512, kv_dtype="bf16")
     assert S.tag_qkv_outputs(p3, S.lower(p3, 132)) == []
-    consts = S.attention_shape_consts(_bench2b_stages_as_loaded())
+    consts = dict(_bench2b_shape_consts())
     _compile_clean(**DEFAULT, TAG_QKV=1)
     tagged, _, _ = _compile_clean(**DEFAULT, **consts, TAG_QKV=1)
     assert _compile(**DEFAULT, **consts)[0] != tagged
