@@ -19,6 +19,12 @@ SMALL = {
     "qwen3": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=1, head_dim=64, intermediate_size=512, vocab_size=1500,
                   rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=False),
+    # head_dim 96 (laneformer-2b's): 3 columns a lane in the attention's rows by warp, which a vector
+    # load would take misaligned (CUDA_ERROR_MISALIGNED_ADDRESS on laneformer-2b, session 13)
+    "llama-hd96": dict(model_type="llama", hidden_size=384, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=96, intermediate_size=512, vocab_size=800,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                       tie_word_embeddings=False),
     # sliding window of 48 positions
     "mistral": dict(model_type="mistral", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=4, head_dim=64, intermediate_size=512, vocab_size=900,

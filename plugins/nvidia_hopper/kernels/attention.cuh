@@ -161,29 +161,41 @@ __device__ __forceinline__ int att_ntiles(const Ctx& c) {
 #define ATT_ROWS 0
 #endif
 #if ATT_ROWS
-// this lane's ADPL columns of a bf16 K or V row in shared memory
-__device__ __forceinline__ void att_ld_cols(const u16* r, float (&f)[ADPL]) {
+// Column i of this lane. With 1, 2, 4 or 8 columns a lane they are adjacent, one aligned vector
+// load; with 3, 5, 6 or 7 (hd 96, 160, 192, 224) a vector at ln * ADPL would be misaligned (hd 96:
+// 6-byte steps; laneformer-2b failed with CUDA_ERROR_MISALIGNED_ADDRESS, session 13), so the lanes
+// take columns ln, ln + 32, ...: one 2-byte load each, a warp's 64 bytes adjacent (no bank conflict).
+#if ADPL == 1 || ADPL == 2 || ADPL == 4 || ADPL == 8
+#define ACOL(ln, i) ((ln) * ADPL + (i))
+#else
+#define ACOL(ln, i) ((ln) + 32 * (i))
+#endif
+// this lane's ADPL columns of a bf16 K or V row `r` in shared memory
+__device__ __forceinline__ void att_ld_cols(const u16* r, int ln, float (&f)[ADPL]) {
 #if ADPL == 1
-    f[0] = bf2f(r[0]);
+    f[0] = bf2f(r[ln]);
 #elif ADPL == 2
-    const u32 w = *(const u32*)r;
+    const u32 w = *(const u32*)(r + 2 * ln);
     f[0] = bf_lo(w); f[1] = bf_hi(w);
 #elif ADPL == 4
-    const uint2 w = *(const uint2*)r;
+    const uint2 w = *(const uint2*)(r + 4 * ln);
     f[0] = bf_lo(w.x); f[1] = bf_hi(w.x); f[2] = bf_lo(w.y); f[3] = bf_hi(w.y);
-#else
-    const uint4 w = *(const uint4*)r;
+#elif ADPL == 8
+    const uint4 w = *(const uint4*)(r + 8 * ln);
     f[0] = bf_lo(w.x); f[1] = bf_hi(w.x); f[2] = bf_lo(w.y); f[3] = bf_hi(w.y);
     f[4] = bf_lo(w.z); f[5] = bf_hi(w.z); f[6] = bf_lo(w.w); f[7] = bf_hi(w.w);
+#else
+#pragma unroll
+    for (int i = 0; i < ADPL; ++i) f[i] = bf2f(r[ACOL(ln, i)]);
 #endif
 }
 // One position (its K and V rows) into this warp's running softmax for every query head of the
 // group: the scores of all heads reduced over the warp together (interleaved shuffles).
-__device__ __forceinline__ void att_row(const u16* Kr, const u16* Vr, const float (&qv)[AG][ADPL], float scale,
+__device__ __forceinline__ void att_row(const u16* Kr, const u16* Vr, int ln, const float (&qv)[AG][ADPL], float scale,
                                         float (&wm)[AG], float (&wl)[AG], float (&wo)[AG][ADPL]) {
     float kf[ADPL], vf[ADPL], sc[AG];
-    att_ld_cols(Kr, kf);
-    att_ld_cols(Vr, vf);
+    att_ld_cols(Kr, ln, kf);
+    att_ld_cols(Vr, ln, vf);
 #pragma unroll
     for (int g = 0; g < AG; ++g) {
         float d = 0.f;
@@ -297,7 +309,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             wm[g] = -__int_as_float(0x7f800000);
             wl[g] = 0.f;
 #pragma unroll
-            for (int i = 0; i < ADPL; ++i) { qv[g][i] = q[g * hd + ln * ADPL + i]; wo[g][i] = 0.f; }
+            for (int i = 0; i < ADPL; ++i) { qv[g][i] = q[g * hd + ACOL(ln, i)]; wo[g][i] = 0.f; }
         }
 #endif
         if (own) {
@@ -322,7 +334,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             if (s == 0) TMARK_TILE(c, tk, 11, 22);
 #if ATT_ROWS
             ATT_LOOP
-            for (int j = warp; j < cnt; j += NW) att_row(Kb + j * RS + ln * ADPL, Vb + j * RS + ln * ADPL, qv, scale, wm, wl, wo);
+            for (int j = warp; j < cnt; j += NW) att_row(Kb + j * RS, Vb + j * RS, ln, qv, scale, wm, wl, wo);
             csync();  // buffer (s % KV_BUFS) is free again
             if (s == 0) TMARK_TILE(c, tk, 16, 25);
 #else
@@ -402,7 +414,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
 #pragma unroll
             for (int g = 0; g < AG; ++g) {
 #pragma unroll
-                for (int i = 0; i < ADPL; ++i) wro[(warp * AG + g) * hd + ln * ADPL + i] = wo[g][i];
+                for (int i = 0; i < ADPL; ++i) wro[(warp * AG + g) * hd + ACOL(ln, i)] = wo[g][i];
                 if (ln == 0) { wml[(warp * AG + g) * 2] = wm[g]; wml[(warp * AG + g) * 2 + 1] = wl[g]; }
             }
             csync();
