@@ -894,28 +894,3 @@ def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
     _compile_clean(**DEFAULT, LANE_RESIDUAL=1)
     with_lr, _, _ = _compile_clean(**DEFAULT, **consts, LANE_RESIDUAL=1)
     assert _compile(**DEFAULT, **consts)[0] != with_lr
-
-
-def test_qkv_tagging_takes_every_layer_or_none_and_compiles():
-    """schedule.tag_qkv_outputs (KOG_HOPPER_TAG_QKV=1, an experiment): on bench-2b every attention
-    stage takes its q / k / v by parity from the qkv stage just before it, write k of 26 a token
-    (the fused in-place ropes write nothing the kernel stores); where a q / k norm stage sits
-    between (Qwen3) nothing is tagged. The build has no spills and the default none of its code."""
-    from kog_moe_standard_tp.llama import Llama
-    from kog_nvidia_hopper import schedule as S
-    prog = _bench2b_program()
-    stages = S.lower(prog, 132, 320, 1)
-    assert S.tag_qkv_outputs(prog, stages) == ["k", "q", "v"]
-    atts = [i for i, st in enumerate(stages) if st.type == "attn"]
-    assert len(atts) == 26
-    for k, i in enumerate(atts):
-        assert stages[i].f["AT_TAG"] == stages[i - 1].f["MV_TAG"] == k | (26 << 16)
-        assert stages[i - 1].f["MV_FLAGS"] & S.CONSTS["MVF_TAG_OUT"]
-    qwen3 = dict(model_type="qwen3", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=1, head_dim=64, intermediate_size=512, vocab_size=1500)
-    p3 = Llama(qwen3).lower(context_length=512, kv_dtype="bf16")
-    assert S.tag_qkv_outputs(p3, S.lower(p3, 132)) == []
-    consts = dict(_bench2b_shape_consts())
-    _compile_clean(**DEFAULT, TAG_QKV=1)
-    tagged, _, _ = _compile_clean(**DEFAULT, **consts, TAG_QKV=1)
-    assert _compile(**DEFAULT, **consts)[0] != tagged

@@ -70,7 +70,7 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
 
 class HopperBackend(KernelBackend):
     name = "nvidia_hopper"
-    tagged: dict = {}  # TAG_DOWN's and TAG_QKV's tensors and their sizes (load sets them)
+    tagged: dict = {}  # TAG_DOWN's tensors and their sizes (load sets them)
 
     def __init__(self, device: int = 0, **options):
         super().__init__(**options)
@@ -213,10 +213,7 @@ class HopperBackend(KernelBackend):
         # TAG_DOWN (an experiment, session 9; +0.3% in session 10, off): down_proj takes its input
         # when the values carry this write's parity, instead of after gate/up's completion count
         tagged = S.tag_pair_outputs(program, stages) if _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1) else []
-        # TAG_QKV (an experiment written in session 12, not yet run on the GPU): the attention takes
-        # q / k / v when their values carry this write's parity, not after the qkv stage's count
-        tagged_qkv = S.tag_qkv_outputs(program, stages) if _env_int("KOG_HOPPER_TAG_QKV", 0, lo=0, hi=1) else []
-        self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv}  # buffer -> floats
+        self.tagged = {name: program.tensors[name].numel for name in tagged}  # buffer -> floats
         # sampled decoding (temperature > 0): on every block (sample_grid.cuh; default since session
         # 10) when each thread's share of the vocabulary fits its registers and the LM head leaves
         # per-block maxima; else on block 0 (sample.cuh radix_select). KOG_HOPPER_SAMPLE=block forces
@@ -299,8 +296,6 @@ class HopperBackend(KernelBackend):
             variant["LANE_RESIDUAL"] = 1
         if tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
-        if tagged_qkv:
-            variant["TAG_QKV"] = 1
         if self.sample_grid:
             variant.update(SAMPLE_GRID=1, SAMPLE_EPT=self.sample_ept)
         # the dynamic shared memory (and so every ring slot) on a fixed boundary, not wherever the

@@ -39,7 +39,7 @@ SLOTS = dict(
     # attention
     AT_L=1, AT_H=2, AT_HKV=3, AT_HD=4, AT_T=5, AT_WINDOW=6, AT_MAXCH=7, AT_SCALE=8, AT_Q=9,
     AT_KC=10, AT_VC=11, AT_OUT=12, AT_ROPE_Q=13, AT_ROPE_K=14, AT_COS=15, AT_SIN=16, AT_KNEW=17,
-    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22, AT_NOCOMBINE=23, AT_TAG=24,
+    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22, AT_NOCOMBINE=23,
     # elementwise
     EW_OP=1, EW_L=2, EW_D=3, EW_A=4, EW_B=5, EW_C=6, EW_OUT=7, EW_OUT2=8, EW_GROUP=9, EW_WL=10,
     EW_F0=11, EW_HD=12, EW_STYLE=13, EW_T=14, EW_LIN=15,
@@ -448,36 +448,6 @@ def tag_pair_outputs(P, stages) -> list[str]:
             nx.f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
             st.f["MV_TAG"] = nx.f["MV_TAG"] = k | (n << 16)
     return tagged
-
-
-def tag_qkv_outputs(P, stages) -> list[str]:
-    """attention.cuh TAG_QKV: an attention stage right after the matvec stage that writes all of its
-    q, new k and new v (fused kv_append) takes them when each value carries the parity of this
-    write (the qkv stage's epilogue writes it into the lowest mantissa bit, MVF_TAG_OUT), so it
-    waits on the stage before qkv instead of qkv's release (its fence and poll, ~1.5 us a layer).
-    Parities as tag_pair_outputs (k | n << 16 in the qkv stage's MV_TAG and the attention's AT_TAG);
-    every write of the three buffers must be such a stage's. Returns the tagged tensors."""
-    pairs = []
-    for i in range(1, len(stages)):
-        mv, at = stages[i - 1], stages[i]
-        if at.type != "attn" or mv.type != "matvec" or not at.f.get("AT_KNEW") or mv.f["MV_FLAGS"]:
-            continue
-        need = {at.f["AT_Q"][1:], at.f["AT_KNEW"][1:], at.f["AT_VNEW"][1:]}
-        if len(need) == 3 and need <= {sg["out_name"] for sg in mv.segs}:
-            pairs.append((mv, at, tuple(sorted(need))))
-    if not pairs:
-        return []
-    bufs = {b for _, _, need in pairs for b in need}
-    n = len(pairs)
-    # writes the kernel makes: the attention's fused in-place ropes write nothing back
-    fused = {j for st in stages if st.type == "attn" for j in st.ops}
-    writes = {b: sum(b in op.outputs for j, op in enumerate(P.ops) if j not in fused) for b in bufs}
-    if any(w != n for w in writes.values()) or any(need != pairs[0][2] for _, _, need in pairs):
-        return []  # another write of a buffer, or layers with different buffers: parities would not alternate
-    for k, (mv, at, _) in enumerate(pairs):
-        mv.f["MV_FLAGS"] |= CONSTS["MVF_TAG_OUT"]
-        mv.f["MV_TAG"] = at.f["AT_TAG"] = k | (n << 16)
-    return sorted(bufs)
 
 
 ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K")

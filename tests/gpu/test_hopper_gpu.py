@@ -196,6 +196,39 @@ def test_smollm2_greedy_128_matches_reference():
     assert len(ties) <= 2, f"ties at {ties}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b", "laneformer-2b"])
+def test_benchmark_preset_matches_reference(preset):
+    """The benchmark presets at their own shapes, random bf16 weights: logits at every position of
+    a short random sequence within 2e-2 of the CPU reference, and each of 16 greedy tokens the
+    reference's argmax on the same prefix (or a tie at bf16 accuracy). The small models share the
+    kernel's code but not every shape: v22's attention failed on laneformer-2b alone (head size
+    96; session 13)."""
+    from kog_nvidia_hopper.bench import build, random_bf16_weights
+    arch, prog = build(preset, 256)
+    ref, hb = _backends(prog, random_bf16_weights(arch))
+    try:
+        toks = np.random.default_rng(3).integers(0, prog.vocab_size, 12).tolist()
+        got, want = hb.logits(toks), ref.logits(toks)
+        errs = [_rel(got[i], want[i]) for i in range(len(toks))]
+        assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
+        prompt = [1, 2, 3, 4]
+        gen = list(hb.generate(prompt, DefaultSampler(), SamplingParams(), StopCriteria(max_tokens=16)))
+        assert len(gen) == 16
+        lr = ref.logits(prompt + gen[:-1])
+        ties = 0
+        for i, t in enumerate(gen):
+            row = lr[len(prompt) - 1 + i]
+            best = int(np.argmax(row))
+            if t != best:
+                margin = float(row[best] - row[t])
+                assert margin <= TIE * float(np.abs(row).max()), f"token {i}: GPU {t}, reference {best} by {margin:.4g}"
+                ties += 1
+        assert ties <= 2, f"{ties} ties"
+    finally:
+        hb.close()
+
+
 def _assert_logits_and_greedy_match(hb, ref, vocab, n_tokens, seed, max_tokens):
     """Logits at every position of a random prompt within 2e-2 of the reference, and greedy
     decoding from a short prompt equal to the reference's, token for token."""
@@ -286,9 +319,6 @@ BOTH_WAYS = [
     # Laneformer's delayed DTP residual in the matvec epilogue (an experiment, session 12): both
     # small models have delayed layers (delay 1 of 2 layers, delay 2 of 3)
     ("FUSE_LANE_RESIDUAL", "LANE_RESIDUAL", ["laneformer-lane", "laneformer-replicate"]),
-    # the attention taking q / k / v by their parity bit instead of after the qkv stage's count (an
-    # experiment, session 12): q/k/v bias (qwen2) and lanes (Laneformer) included
-    ("TAG_QKV", "TAG_QKV", ["llama", "qwen2", "laneformer-lane"]),
 ]
 
 

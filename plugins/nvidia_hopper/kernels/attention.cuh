@@ -23,14 +23,6 @@
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that
 // the tiles roughly fill the grid; partial (m, l, o) go to a scratch buffer and the last tile
 // of a (lane, kv head) to finish (atomic ticket) combines them.
-// A value another block wrote this stage: read at L2, and with TAG_QKV (par >= 0) re-read until
-// its lowest mantissa bit is par.
-__device__ __forceinline__ float ld_ready(const float* p, int par) {
-    float v = ldf(p);
-    if (TAG_QKV && par >= 0)
-        while ((int)(__float_as_uint(v) & 1u) != par) v = ldf(p);
-    return v;
-}
 __device__ __forceinline__ void rope_pair(float a, float b, float cs, float sn, float& oa, float& ob) {
     oa = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
     ob = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
@@ -283,17 +275,13 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         if (t != (int)blockIdx.x) att_issue_first(c, t);
         // queries of this kv head's group, new key / value
         const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * GH;
-        // TAG_QKV: a value is this token's once it carries this write's parity (matvec.cuh). Not in
-        // the benchmark's no-wait mode (bit 6: blocks drift apart, a later write could hide this
-        // one) or without layer matvecs (bit 1: nothing writes q / k / v)
-        const int tagpar = TAG_QKV && st[AT_TAG] && !(c.skipmask & 0x42) ? (int)tag_parity_of((u32)st[AT_TAG], c.it) : -1;
         ATT_LOOP
-        for (int i = tid; i < GH; i += NT) { q[i] = ld_ready(qsrc + i, tagpar); ob[i] = 0.f; }
+        for (int i = tid; i < GH; i += NT) { q[i] = ldf(qsrc + i); ob[i] = 0.f; }
         if (own) {
             const float* ks = (const float*)st[AT_KNEW] + (i64)l * Hkv * hd + (i64)g * hd;
             const float* vs = (const float*)st[AT_VNEW] + (i64)l * Hkv * hd + (i64)g * hd;
             ATT_LOOP
-            for (int i = tid; i < hd; i += NT) { kn[i] = ld_ready(ks + i, tagpar); vn[i] = rbf(ld_ready(vs + i, tagpar)); }
+            for (int i = tid; i < hd; i += NT) { kn[i] = ldf(ks + i); vn[i] = rbf(ldf(vs + i)); }
         }
         if (tid < 8) { s_m[tid] = -__int_as_float(0x7f800000); s_l[tid] = 0.f; }
         cp_wait_rope();  // this thread's RoPE copies (att_issue_first) have landed; the barrier shows all

@@ -198,11 +198,10 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             if (tid == NSLOT) cp_async16(&s_blk[nxt], binfo + sn * gridDim.x + blockIdx.x);
             cp_commit();
             const int type = (int)st[S_TYPE];
-            // the stage waited on: the previous one (-1: the previous token's last), or with TAG_DOWN /
-            // TAG_QKV, whose input values say when they are ready, the stage before their writer
+            // the stage waited on: the previous one (-1: the previous token's last), or with TAG_DOWN,
+            // whose input values say when they are ready, the stage before their writer
             int ws = s - 1;
             if (TAG_DOWN && type == ST_MATVEC && ((int)st[MV_FLAGS] & MVF_TAG_IN)) ws = s - 2;
-            if (TAG_QKV && type == ST_ATTN && st[AT_TAG]) ws = s - 2;
             const u32* wctr = ws >= 0 ? counters + ws : counters + nst - 1;
             const u32 wtarget = (c.skipmask >> 6) & 1 ? 0u : ws >= 0 ? nb * (u32)(it + 1) : nb * (u32)it;  // bit 6: stream only
             if (s == 0) c.tok = it < c.P ? prompt[it] : (int)ldi64(run + R_TOK);  // written before the previous iteration's last wait

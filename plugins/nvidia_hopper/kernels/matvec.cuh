@@ -69,20 +69,10 @@ __device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
 #if TAG_DOWN && X_CPASYNC
 #error "TAG_DOWN checks the input's parity on the register path only: not with X_CPASYNC"
 #endif
-// TAG_QKV (an experiment written in session 12, not yet run on the GPU; KOG_HOPPER_TAG_QKV=1;
-// schedule.tag_qkv_outputs): the same readiness in the data for the attention's q, k and v: the
-// qkv stage writes every output with this write's parity (MVF_TAG_OUT on a plain segment), and the
-// attention (AT_TAG) waits on the stage before qkv, then re-reads each of its q / k / v values until
-// it carries the parity: no wait on qkv's release fence (1.0-1.4 us behind the ring's copies) and
-// poll. Each tile reads only its group's q and one k / v head (2 KB on bench-2b), so the re-reads
-// cost L2 almost nothing, unlike TAG_DOWN's 32 KB a block.
-#ifndef TAG_QKV
-#define TAG_QKV 0
-#endif
-__device__ __forceinline__ u32 tag_parity_of(u32 t, int it) {  // t: this write's index k | writes a token n << 16
-    return ((u32)it * (t >> 16) + (t & 0xffffu)) & 1u;           // (it n + k) & 1
+__device__ __forceinline__ u32 tag_parity(const i64* st, int it) {
+    const u32 t = (u32)st[MV_TAG];  // this write's index k | writes a token n << 16: (it n + k) & 1
+    return ((u32)it * (t >> 16) + (t & 0xffffu)) & 1u;
 }
-__device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_parity_of((u32)st[MV_TAG], it); }
 __device__ __forceinline__ float with_parity(float v, u32 p) { return __uint_as_float((__float_as_uint(v) & ~1u) | p); }
 __device__ __forceinline__ bool has_parity(float4 v, u32 p) {
     return (((__float_as_uint(v.x) ^ p) | (__float_as_uint(v.y) ^ p) | (__float_as_uint(v.z) ^ p) | (__float_as_uint(v.w) ^ p)) & 1u) == 0;
@@ -456,9 +446,6 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         float y0 = acc0, y1 = acc1;
         if (bias) { y0 += b0; if (vb) y1 += b1; }
         if (res) { y0 += e0; if (vb) y1 += e1; }
-#if TAG_QKV
-        if (flags & MVF_TAG_OUT) { const u32 tp = tag_parity(st, c.it); y0 = with_parity(y0, tp); y1 = with_parity(y1, tp); }
-#endif
         out[r0] = y0;
         if (vb) out[r1] = y1;
 #if LANE_RESIDUAL
