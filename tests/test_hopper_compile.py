@@ -854,6 +854,7 @@ def test_deferred_norm_is_refused_where_a_block_would_keep_too_many_sums():
                                    dict(ATC_H=4, ATC_HKV=2, ATC_HD=256),   # 8 columns a lane
                                    dict(ATC_H=32, ATC_HKV=16, ATC_HD=96),  # laneformer-2b: 3 columns a lane, strided
                                    dict(ATC_H=8, ATC_HKV=4, ATC_HD=192),   # 6 columns a lane, strided
+                                   dict(ATC_H=4, ATC_HKV=2, ATC_HD=80),    # not a multiple of 32: the block steps
                                    dict(ATC_H=8, ATC_HKV=2, ATC_HD=256)])  # 32 pairs a lane: the block steps
 def test_attention_warp_rows_compile_for_other_shapes(shape):
     """ATT_WARP_ROWS (default since session 12 where the shapes are compiled in): each warp keeps its

@@ -25,6 +25,16 @@ SMALL = {
                        num_key_value_heads=2, head_dim=96, intermediate_size=512, vocab_size=800,
                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
                        tie_word_embeddings=False),
+    # head_dim 256 with two query heads a group: 8 columns a lane, one 16-byte load (the most the
+    # rows-by-warp path holds in registers); head_dim 80: not a multiple of 32, the block steps
+    "llama-hd256": dict(model_type="llama", hidden_size=512, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=256, intermediate_size=512, vocab_size=600,
+                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                        tie_word_embeddings=False),
+    "llama-hd80": dict(model_type="llama", hidden_size=320, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=80, intermediate_size=512, vocab_size=600,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                       tie_word_embeddings=False),
     # sliding window of 48 positions
     "mistral": dict(model_type="mistral", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=4, head_dim=64, intermediate_size=512, vocab_size=900,
