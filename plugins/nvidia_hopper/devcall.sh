@@ -16,6 +16,17 @@
 #              latency while streaming, the ring from L2, consumer time per item, instruction
 #              fetch and the instruction caches (PROBE_ARGS="--round 6 7", "--round 10 11")
 #   pack       last: everything under $OUT into one out.tgz (a call returns at most 8 files)
+# Carried paths (gitignored; rebuild them in a new checkout, python 3.12 wheels for the device):
+#   .whl      kog's wheel (`.venv/bin/pip wheel --no-deps --no-build-isolation -w .whl .`, again after
+#             every change) and what the device image lacks: `python3 -m pip download --no-deps
+#             --only-binary=:all: --python-version 3.12 --implementation cp --platform
+#             manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+#             -d .whl pydantic pydantic-core annotated-types typing-inspection gguf cuda-bindings==13.0.*
+#             cuda-python==13.0.* cuda-pathfinder` (the versions the local .venv has; not nvrtc: the
+#             image has it, and its wheel would exceed the 64 MiB a call carries)
+#   .devcarry/torch_peer.py   a copy of ../shared/bench/torch_peer.py
+#   .devcarry/smol/part.aa, part.ab   `kog pull smollm2-135m`'s GGUF cut in two (`split -n 2 FILE part.`):
+#             each call carries one half (smolpart1 keeps the first on the machine for the next call)
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
