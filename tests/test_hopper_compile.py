@@ -872,9 +872,10 @@ def test_attention_warp_rows_compile_for_other_shapes(shape):
 def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
     """schedule._fuse_lane_residual (KOG_HOPPER_FUSE_LANE_RESIDUAL=1, an experiment): on
     laneformer-2b every "delayed" lane_residual (and the collective before it) goes into the
-    epilogue of the matvec that writes its fresh partial, one stage fewer each; the early layers'
-    "allreduce" / "local" residuals stay elementwise stages; the build with the fused epilogue
-    (LANE_RESIDUAL) has no spills, and the default build none of its code."""
+    matvec stage that writes its fresh partial, one stage fewer each; the early layers'
+    "allreduce" / "local" residuals stay elementwise stages; each block's rows of a fused stage
+    are one contiguous range and the blocks cover every row once; the build with the fused
+    residual (LANE_RESIDUAL) has no spills, and the default build none of its code."""
     from kog_core.interfaces import resolve_factory
     from kog_core.plugins import load_registry
     from kog_laneformer.presets import LANEFORMER_2B
@@ -891,6 +892,18 @@ def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
         assert sg["out_name"] == op.inputs[1] and sg["SEG_LRX"] == "@" + op.inputs[0] and sg["SEG_LRD"] == "@" + op.inputs[2]
     left = [st for st in fused if st.label == "lane_residual"]
     assert len(left) == sum(1 for op in prog.ops if op.kind == "lane_residual") - len(delayed) > 0
+    # each fused stage's rows are covered once, each block's a contiguous range (binfo's fourth field)
+    for st in fused:
+        if not any(sg["SEG_LRX"] for sg in st.segs):
+            continue
+        plan, _ = S.stream_plan(st, 132, 10, 31744, None, 32)
+        w = S.lane_residual_rows(S.plan_items(plan, 132), plan[:133], st.segs, 132)
+        sg = next(sg for sg in st.segs if sg["SEG_LRX"])
+        covered = np.zeros(sg["lanes"] * sg["SEG_N"], np.int32)
+        for v in w[w != 0]:
+            covered[v & 0xffff:(v & 0xffff) + (v >> 16)] += 1
+        assert (covered == 1).all()
+        assert not S.lane_residual_rows(S.plan_items(plan, 132), plan[:133], [dict(s, SEG_LRD=0) for s in st.segs], 132).any()
     consts = dict(_bench2b_shape_consts())
     _compile_clean(**DEFAULT, LANE_RESIDUAL=1)
     with_lr, _, _ = _compile_clean(**DEFAULT, **consts, LANE_RESIDUAL=1)

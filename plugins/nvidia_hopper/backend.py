@@ -140,8 +140,9 @@ class HopperBackend(KernelBackend):
         self.nthreads = self.nt + 32 + 32 * self.signal_warp  # + the producer warp (+ the signal warp)
         # attention K/V sub-chunk buffers: 1 by default leaves 17 KB more shared memory to the weight ring
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
-        # Laneformer's delayed DTP residual in the epilogue of the matvec that makes its partial
-        # (schedule._fuse_lane_residual; an experiment written in session 12, not yet run on the GPU)
+        # Laneformer's delayed DTP residual at the end of the matvec stage that makes its partial
+        # (schedule._fuse_lane_residual; an experiment: its first form -4.9% in session 13, the
+        # tail-pass form written after that session's last device call, not yet run on the GPU)
         fuse_lr = bool(_env_int("KOG_HOPPER_FUSE_LANE_RESIDUAL", 0, lo=0, hi=1))
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs, fuse_lane_residual=fuse_lr)
         # attention tiles to aim for (attention_plan.cuh att_chunks; default one per block): fewer, longer

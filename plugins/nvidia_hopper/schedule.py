@@ -259,18 +259,19 @@ def lower(program: DecodeProgram, nb: int, nt: int = NT, kv_bufs: int = 2,
 
 
 def _fuse_lane_residual(P, ops, j, segs, pending) -> set:
-    """Laneformer's DTP residual in the epilogue of the matvec that makes its fresh partial:
+    """Laneformer's DTP residual at the end of the matvec stage that makes its fresh partial:
     ops j.. may be `collective`s of a segment's output (no-ops on one GPU), then a `lane_residual`
     in "delayed" mode, x[l] += fresh[l] + sum_{j != l} delayed[j], whose fresh is a plain
-    (unpaired) segment's output with x's shape and x is not pending. The segment then also updates
-    x (SEG_LRX) from the delayed partials (SEG_LRD): the same additions in the same order as the
-    elementwise stage, one stage boundary less. Returns the op indices taken (empty: none)."""
+    (unpaired) segment's output with x's shape and x is not pending. Each block then also updates
+    x (SEG_LRX) from the delayed partials (SEG_LRD) for its own rows of fresh after its last item
+    (matvec.cuh lane_residual_tail; the rows: lane_residual_rows): the same additions in the same
+    order as the elementwise stage, one stage boundary less. Returns the op indices taken (empty: none)."""
     outs = {sg["out_name"]: sg for sg in segs if not sg["SEG_W2"] and not sg["SEG_BIAS"] and not sg["SEG_RES"]}
     k = j
     while k < len(ops) and ops[k].kind == "collective" and ops[k].inputs[0] in outs:
         k += 1
-    if k >= len(ops) or ops[k].kind != "lane_residual" or ops[k].attr("mode") != "delayed" or P.lanes > 32:
-        return set()  # (the epilogue gathers the lanes' partials across one warp: at most 32)
+    if k >= len(ops) or ops[k].kind != "lane_residual" or ops[k].attr("mode") != "delayed":
+        return set()
     x, fresh, delayed = ops[k].inputs[0], ops[k].inputs[1], ops[k].inputs[2]
     T = P.tensors
     if fresh not in outs or x in pending or x in outs or T[x].shape != T[fresh].shape or T[delayed].shape != T[x].shape:
@@ -677,7 +678,9 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
     offset / 16, row0, rows, k0, klen, IT_* flags, x offset), which the producer hands to the
     consumers in the slot's header. Layout: per-block entry ranges [nb + 1] padded to 16 bytes,
     then the entries. Block info: int32 [nst][nb][4] = (items, first lane, lanes, 0) of the block
-    in each stage (zeros for stages without weights).
+    in each stage (zeros for stages without weights); in a stage with a fused DTP residual
+    (_fuse_lane_residual), the fourth is the block's rows of that segment, contiguous in the
+    flattened lane * N + row index: first | count << 16 (matvec.cuh lane_residual_tail).
     `stages`: (stage index, plan, segs, packed device address, MV_FLAGS[, an attention stage
     follows]) of every matvec stage (flag bit 2 on a block's first item of such a stage)."""
     per_block: list[list] = [[] for _ in range(nb)]
@@ -690,6 +693,7 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
         binfo[si, :, 0] = offs[1:] - offs[:-1]
         binfo[si, :, 1] = plan[nb + 1:2 * nb + 1]
         binfo[si, :, 2] = plan[2 * nb + 1:3 * nb + 1]
+        binfo[si, :, 3] = lane_residual_rows(its, offs, segs, nb)
         flags = (1 if mv_flags & 2 else 0) | (2 if mv_flags & 1 else 0) | (si << 8)
         for b in range(nb):
             for j in range(offs[b], offs[b + 1]):
@@ -707,6 +711,32 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
     if rows:
         out[head:] = np.asarray(rows, np.uint64).astype(np.uint32).ravel()
     return out, binfo
+
+
+def lane_residual_rows(its: np.ndarray, offs: np.ndarray, segs: list, nb: int) -> np.ndarray:
+    """binfo's fourth field of a matvec stage: for each block, its rows of the segment with a fused
+    DTP residual (SEG_LRD) as first | count << 16 in the flattened lane * N + row index (the
+    blocks' rows are dealt in contiguous ranges, _deal_rows); zeros without such a segment."""
+    out = np.zeros(nb, np.int64)
+    fused = [i for i, sg in enumerate(segs) if sg.get("SEG_LRD")]
+    if not fused:
+        return out
+    if len(fused) > 1:
+        raise CapabilityError("nvidia_hopper: one fused lane residual a stage at most")
+    fs, N = fused[0], int(segs[fused[0]]["SEG_N"])
+    for b in range(nb):
+        rows = sorted({(int(it[1]) * N + int(it[3]), int(it[4])) for it in its[offs[b]:offs[b + 1]] if it[0] == fs})
+        if not rows:
+            continue
+        first = end = rows[0][0]
+        for a, n in rows:
+            if a != end:
+                raise CapabilityError("nvidia_hopper: a block's rows of a fused lane residual are not contiguous")
+            end = a + n
+        if first >= 1 << 16 or end - first >= 1 << 15:
+            raise CapabilityError("nvidia_hopper: a fused lane residual needs fewer than 65,536 rows (lanes x N)")
+        out[b] = first | (end - first) << 16
+    return out
 
 
 def pack_stage_weights(plan: np.ndarray, nb: int, segs: list, weight_bits) -> np.ndarray:

@@ -316,7 +316,7 @@ BOTH_WAYS = [
     # the signal warp asleep in the consumers' end-of-stage barrier against polling the word thread
     # 0 sets after it; a request that ends (max tokens) must let the kernel exit either way
     ("SIGNAL_BAR", "SIGNAL_BAR", ["llama", "laneformer-lane"]),
-    # Laneformer's delayed DTP residual in the matvec epilogue (an experiment, session 12): both
+    # Laneformer's delayed DTP residual at the end of the matvec stage (an experiment): both
     # small models have delayed layers (delay 1 of 2 layers, delay 2 of 3)
     ("FUSE_LANE_RESIDUAL", "LANE_RESIDUAL", ["laneformer-lane", "laneformer-replicate"]),
 ]

@@ -288,15 +288,39 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
 #define DEBUG_DOT 0
 #endif
 
-// LANE_RESIDUAL (KOG_HOPPER_FUSE_LANE_RESIDUAL=1, an experiment written in session 12, not yet run
-// on the GPU; the backend defines it when a stage has a fused segment): Laneformer's "delayed"
-// lane_residual, x[l] += fresh[l] + sum_{j != l} delayed[j], in the epilogue of the matvec that
-// writes fresh (schedule._fuse_lane_residual): the row group's x and its L lanes' delayed partials
-// are read with its first slice (lane j of the warp loads lane j's), summed in lane order by
-// shuffles after its last, so the result is the elementwise stage's to the bit, and the layer
-// loses two stage boundaries (~2 us each).
+// LANE_RESIDUAL (KOG_HOPPER_FUSE_LANE_RESIDUAL=1, an experiment; the backend defines it when a
+// stage has a fused segment): Laneformer's "delayed" lane_residual, x[l] += fresh[l] + sum_{j != l}
+// delayed[j], at the end of the matvec stage that writes fresh (schedule._fuse_lane_residual),
+// without a stage boundary: after the block's last item, a pass over the block's own rows of fresh
+// (binfo's w: first flattened row lane * N + r | count << 16, schedule.stream_list), every row's
+// loads in flight at once, the lanes added in lane order as the elementwise stage adds them.
+// Session 13 measured the first form (the residual in every row group's epilogue, its state in the
+// item loop): -4.9% on laneformer-2b, ~1.1 us a stage from the item loop's larger code alone and
+// ~0.6 us a row group of epilogue waits. This form leaves the item loop as the unfused build's.
 #ifndef LANE_RESIDUAL
 #define LANE_RESIDUAL 0
+#endif
+#if LANE_RESIDUAL
+// Rows [start, start + cnt) of the flattened (lane, row) index of fresh: x[l][r] += fresh[l][r] +
+// the other lanes' delayed[j][r], j in lane order; each thread's loads of 8 lanes in flight at once.
+// Noinline and called with plain values: run_matvec's code stays the unfused build's but for the call.
+__device__ __noinline__ void lane_residual_tail(const float* fresh, float* x, const float* dl, int N, int L,
+                                                int ol, int start, int cnt) {
+    for (int i = threadIdx.x; i < cnt; i += NT) {
+        const int f = start + i, l = f / N, r = f - l * N;
+        float acc = ldf(fresh + l * ol + r);
+        const float x0 = ldf(x + l * ol + r);
+        for (int j0 = 0; j0 < L; j0 += 8) {
+            float d[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) d[j] = j0 + j < L ? ldf(dl + (j0 + j) * ol + r) : 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (j0 + j < L && j0 + j != l) acc += d[j];
+        }
+        x[l * ol + r] = x0 + acc;
+    }
+}
 #endif
 
 // Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
@@ -356,9 +380,6 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
     int bidx = 0x7fffffff;
     float acc0 = 0.f, acc1 = 0.f;
     float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane 0)
-#if LANE_RESIDUAL
-    float dv0 = 0.f, dv1 = 0.f;  // SEG_LRX: lane j's delayed partial of the row group's rows (j < L)
-#endif
     for (int j = 0; j < nitems; ++j, ++q) {
         const u32 slot = q % NSLOTS;
 #ifdef TRACE
@@ -384,14 +405,6 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]); }
             if (res) { const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
         }
-#if LANE_RESIDUAL
-        const float* lrd = (const float*)sg[SEG_LRD];  // the DTP residual (schedule._fuse_lane_residual): no bias, no res
-        if ((g.z & IT_FIRST) && lrd && va) {
-            const i64 ol = sg[SEG_OUTL];
-            if (ln == 0) { const float* xr = (const float*)sg[SEG_LRX] + lane * ol; e0 = ldf(xr + r0); if (vb) e1 = ldf(xr + r1); }
-            if (ln < (int)st[MV_L]) { dv0 = ldf(lrd + ln * ol + r0); if (vb) dv1 = ldf(lrd + ln * ol + r1); }
-        }
-#endif
         if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; }
         if (va) {
             const int n8 = g.y >> 3;
@@ -414,15 +427,6 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         if (!(g.z & IT_LAST)) continue;
         acc0 = warp_sum(acc0);
         acc1 = warp_sum(acc1);
-#if LANE_RESIDUAL
-        float lr0 = acc0, lr1 = acc1;  // SEG_LRX: fresh + the other lanes' delayed partials, in lane order
-        if (lrd && va) {               // (every lane of the warp takes part in the shuffles)
-            for (int j = 0; j < (int)st[MV_L]; ++j) {
-                const float d0 = __shfl_sync(0xffffffffu, dv0, j), d1 = __shfl_sync(0xffffffffu, dv1, j);
-                if (j != lane) { lr0 += d0; lr1 += d1; }
-            }
-        }
-#endif
         if (ln != 0 || !va) continue;
 #if DEFER_NORM
         if (mode & IN_NORM) {  // the deferred norm: d of this row group's input row (its lane)
@@ -448,13 +452,6 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         if (res) { y0 += e0; if (vb) y1 += e1; }
         out[r0] = y0;
         if (vb) out[r1] = y1;
-#if LANE_RESIDUAL
-        if (lrd) {  // x[lane] += fresh + sum of the others' delayed, as the elementwise stage adds them
-            float* xr = (float*)sg[SEG_LRX] + lane * sg[SEG_OUTL];
-            xr[r0] = e0 + lr0;
-            if (vb) xr[r1] = e1 + lr1;
-        }
-#endif
         if (flags & MVF_ARGMAX) {  // NaN never wins; ties go to the lower index
             if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
             if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
@@ -475,4 +472,13 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             ((int*)st[MV_ARGMAX])[nb + blockIdx.x] = bi;
         }
     }
+#if LANE_RESIDUAL
+    if (c.blk.w) {  // a fused stage: the DTP residual of this block's rows (schedule.stream_list)
+        const i64* sg = seg(st, 0);
+        for (int i = 1; i < (int)st[MV_NSEG] && !sg[SEG_LRD]; ++i) sg = seg(st, i);
+        csync();  // every warp's fresh outputs written (a barrier shows a block's global writes to all its threads)
+        lane_residual_tail((const float*)sg[SEG_OUT], (float*)sg[SEG_LRX], (const float*)sg[SEG_LRD], (int)sg[SEG_N],
+                           (int)st[MV_L], (int)sg[SEG_OUTL], c.blk.w & 0xffff, (int)((u32)c.blk.w >> 16));
+    }
+#endif
 }
