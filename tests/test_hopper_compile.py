@@ -869,6 +869,14 @@ def test_attention_warp_rows_compile_for_other_shapes(shape):
         assert rows != steps
 
 
+def test_rms_block_compiles_without_spills_and_changes_the_build():
+    """elementwise.cuh RMS_BLOCK (KOG_HOPPER_RMS_BLOCK=1, an experiment): the build with an RMSNorm
+    stage's block-a-row path compiles within the register bound and without spills, and is not the
+    default build (the path is compiled in only when asked for)."""
+    rb, _, _ = _compile_clean(**DEFAULT, RMS_BLOCK=1)
+    assert _compile(**DEFAULT)[0] != rb
+
+
 def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
     """schedule._fuse_lane_residual (KOG_HOPPER_FUSE_LANE_RESIDUAL=1, an experiment): on
     laneformer-2b every "delayed" lane_residual (and the collective before it) goes into the

@@ -287,6 +287,10 @@ class HopperBackend(KernelBackend):
             variant["COMPACT_ATTENTION"] = 1
         if _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1):  # input rows by cp.async (an experiment, session 8)
             variant["X_CPASYNC"] = 1
+        # an RMSNorm stage of few long rows a block a row (elementwise.cuh RMS_BLOCK; an experiment
+        # written in session 13 after its last device call, not yet run on the GPU)
+        if _env_int("KOG_HOPPER_RMS_BLOCK", 0, lo=0, hi=1):
+            variant["RMS_BLOCK"] = 1
         # v18 (session 9): the attention's shapes compiled in when every attention stage shares them
         # (+3.4% on bench-2b), and the weight stream's copies L2 evict-first (+4.2%)
         if _env_int("KOG_HOPPER_SHAPE_CONSTS", 1, lo=0, hi=1):

@@ -319,6 +319,9 @@ BOTH_WAYS = [
     # Laneformer's delayed DTP residual at the end of the matvec stage (an experiment): both
     # small models have delayed layers (delay 1 of 2 layers, delay 2 of 3)
     ("FUSE_LANE_RESIDUAL", "LANE_RESIDUAL", ["laneformer-lane", "laneformer-replicate"]),
+    # an RMSNorm stage of few long rows a block a row (an experiment, session 13): laneformer-lane's
+    # final norm (4 lanes x 256) is such a stage
+    ("RMS_BLOCK", "RMS_BLOCK", ["laneformer-lane"]),
 ]
 
 

@@ -2,6 +2,17 @@
 // Laneformer's lane ops. Part of the decode kernel: decode.cu includes it (cuda_util.kernel_source
 // splices it in, in order).
 
+// RMS_BLOCK (an experiment, off; KOG_HOPPER_RMS_BLOCK=1): an RMSNorm of few long rows (256 to
+// 4 * NT * RMS_V values a row; Laneformer's final norm, 8 lanes x 3072) takes a block a row, every
+// value of the row loaded at once into registers (float4s, RMS_V a thread), one block reduction,
+// instead of a warp a row looping over it: 96 loads a lane in two passes, unrolled by ~4, about 50
+// L2 round trips in a row on one block. Session 13's trace: laneformer-2b's final norm stage
+// 39.9 us a token (its last block 37 us after the median), 2.6% of the token.
+#ifndef RMS_BLOCK
+#define RMS_BLOCK 0
+#endif
+#define RMS_V 4
+
 __device__ __noinline__ void run_ew(Ctx& c) {
     const i64* st = s_desc[c.dcur];
     const int op = (int)st[EW_OP];
@@ -23,6 +34,37 @@ __device__ __noinline__ void run_ew(Ctx& c) {
         const u16* w = (const u16*)st[EW_B];
         const i64 wl = st[EW_WL];
         const float eps = fslot(st, EW_F0);
+        if (RMS_BLOCK && grp >= 256 && grp <= 4 * NT * RMS_V && (grp & 3) == 0 && (wl & 3) == 0) {
+            const int n4 = grp >> 2;
+            for (int u = blockIdx.x; u < L * ng; u += gridDim.x) {  // block-uniform: block_sum's barriers
+                const int l = u / ng, gi = u - l * ng;
+                const float4* x4 = (const float4*)(a + (i64)l * D + (i64)gi * grp);
+                float4 v[RMS_V];
+                float ss = 0.f;
+#pragma unroll
+                for (int k = 0; k < RMS_V; ++k) {
+                    const int i4 = threadIdx.x + k * NT;
+                    v[k] = i4 < n4 ? ldcg4_volatile(x4 + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int k = 0; k < RMS_V; ++k)
+                    ss = fmaf(v[k].w, v[k].w, fmaf(v[k].z, v[k].z, fmaf(v[k].y, v[k].y, fmaf(v[k].x, v[k].x, ss))));
+                ss = block_sum(ss);
+                const float dd = sqrtf(ss / (float)grp + eps);
+                const u16* wr = w + (wl ? l * wl + (i64)gi * grp : 0);
+                float4* o4 = (float4*)(out + (i64)l * D + (i64)gi * grp);
+#pragma unroll
+                for (int k = 0; k < RMS_V; ++k) {
+                    const int i4 = threadIdx.x + k * NT;
+                    if (i4 < n4) {
+                        const uint2 wb = *(const uint2*)(wr + 4 * i4);
+                        o4[i4] = make_float4(v[k].x / dd * bf_lo(wb.x), v[k].y / dd * bf_hi(wb.x),
+                                             v[k].z / dd * bf_lo(wb.y), v[k].w / dd * bf_hi(wb.y));
+                    }
+                }
+            }
+            return;
+        }
         const int gw = blockIdx.x * NW + (threadIdx.x >> 5), nwt = gridDim.x * NW, ln = threadIdx.x & 31;
         for (int u = gw; u < L * ng; u += nwt) {
             int l = u / ng, gi = u % ng;
