@@ -5,6 +5,13 @@ import numpy as np
 
 from kog_moe_standard_tp.llama import Llama
 
+def _llama_head_dim(head_dim: int, heads: int, kv_heads: int, vocab: int) -> dict:
+    """A two-layer Llama whose attention has this head size (hidden = heads x head_dim)."""
+    return dict(model_type="llama", hidden_size=heads * head_dim, num_hidden_layers=2, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=512, vocab_size=vocab,
+                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+
+
 SMALL = {
     # GQA 4/2, untied head, head_dim 64: exercises fused q/k/v, rope+append+attention, gate/up+swiglu
     "llama": dict(model_type="llama", hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -21,20 +28,11 @@ SMALL = {
                   rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=False),
     # head_dim 96 (laneformer-2b's): 3 columns a lane in the attention's rows by warp, which a vector
     # load would take misaligned (CUDA_ERROR_MISALIGNED_ADDRESS on laneformer-2b, session 13)
-    "llama-hd96": dict(model_type="llama", hidden_size=384, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=96, intermediate_size=512, vocab_size=800,
-                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
-                       tie_word_embeddings=False),
+    "llama-hd96": _llama_head_dim(96, heads=4, kv_heads=2, vocab=800),
     # head_dim 256 with two query heads a group: 8 columns a lane, one 16-byte load (the most the
     # rows-by-warp path holds in registers); head_dim 80: not a multiple of 32, the block steps
-    "llama-hd256": dict(model_type="llama", hidden_size=512, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=256, intermediate_size=512, vocab_size=600,
-                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
-                        tie_word_embeddings=False),
-    "llama-hd80": dict(model_type="llama", hidden_size=320, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=80, intermediate_size=512, vocab_size=600,
-                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
-                       tie_word_embeddings=False),
+    "llama-hd256": _llama_head_dim(256, heads=2, kv_heads=1, vocab=600),
+    "llama-hd80": _llama_head_dim(80, heads=4, kv_heads=2, vocab=600),
     # sliding window of 48 positions
     "mistral": dict(model_type="mistral", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=4, head_dim=64, intermediate_size=512, vocab_size=900,
