@@ -44,6 +44,16 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def _assert_logits_match(hb, ref, toks):
+    """The GPU's logits at every position of `toks` within 2e-2 (relative) of the reference's;
+    returns the reference's."""
+    got, want = hb.logits(toks), ref.logits(toks)
+    assert got.shape == want.shape
+    errs = [_rel(got[i], want[i]) for i in range(len(toks))]
+    assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
+    return want
+
+
 _cache = {}
 
 
@@ -59,11 +69,7 @@ def test_logits_every_position(name):
     arch, prog, w, ref, hb = _get(name)
     rng = np.random.default_rng(1)
     toks = rng.integers(0, prog.vocab_size, 150).tolist()
-    got = hb.logits(toks)
-    want = ref.logits(toks)
-    assert got.shape == want.shape
-    errs = [_rel(got[i], want[i]) for i in range(len(toks))]
-    assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
+    want = _assert_logits_match(hb, ref, toks)
     # step() equals a logits row
     hb.reset()
     row = hb.step(toks[0], 0)
@@ -159,6 +165,22 @@ def test_stop_tokens_max_tokens_and_cancel():
 TIE = 1e-3
 
 
+def _greedy_ties(got, ref_logits, prompt_len):
+    """Each greedy token the GPU picked is the reference's argmax on the same prefix (ref_logits:
+    the reference's logits of prompt + got[:-1]) unless the reference's top two are a tie at bf16
+    accuracy; returns the indices of those ties."""
+    ties = []
+    for i, t in enumerate(got):
+        row = ref_logits[prompt_len - 1 + i]
+        best = int(np.argmax(row))
+        if t != best:
+            margin = float(row[best] - row[t])
+            assert margin <= TIE * float(np.abs(row).max()), (
+                f"token {i}: GPU picked {t}, the reference {best} by {margin:.4g} (not a tie)")
+            ties.append(i)
+    return ties
+
+
 def test_smollm2_greedy_128_matches_reference():
     """Greedy 128 tokens on SmolLM2: every token the GPU picks is the reference's argmax on the same
     prefix (teacher-forced), unless the reference's top two are a tie at bf16 accuracy; up to the
@@ -182,15 +204,7 @@ def test_smollm2_greedy_128_matches_reference():
     seq = prompt + got[:-1]
     lr, lg = ref.logits(seq), hb.logits(seq)
     assert max(_rel(lg[i], lr[i]) for i in range(len(seq))) < 2e-2
-    ties = []
-    for i, t in enumerate(got):
-        row = lr[len(prompt) - 1 + i]
-        best = int(np.argmax(row))
-        if t != best:
-            margin = float(row[best] - row[t])
-            assert margin <= TIE * float(np.abs(row).max()), (
-                f"token {i}: GPU picked {t}, the reference {best} by {margin:.4g} (not a tie)")
-            ties.append(i)
+    ties = _greedy_ties(got, lr, len(prompt))
     first = ties[0] if ties else len(got)
     assert got[:first] == want[:first]
     assert len(ties) <= 2, f"ties at {ties}"
@@ -210,23 +224,13 @@ def test_benchmark_preset_matches_reference(preset):
     arch, prog = build(preset, 256)
     ref, hb = _backends(prog, random_bf16_weights(arch))
     try:
-        toks = np.random.default_rng(3).integers(0, prog.vocab_size, 12).tolist()
-        got, want = hb.logits(toks), ref.logits(toks)
-        errs = [_rel(got[i], want[i]) for i in range(len(toks))]
-        assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
+        _assert_logits_match(hb, ref, np.random.default_rng(3).integers(0, prog.vocab_size, 12).tolist())
         prompt = [1, 2, 3, 4]
         gen = list(hb.generate(prompt, DefaultSampler(), SamplingParams(), StopCriteria(max_tokens=16)))
         assert len(gen) == 16
         lr = ref.logits(prompt + gen[:-1])
-        ties = 0
-        for i, t in enumerate(gen):
-            row = lr[len(prompt) - 1 + i]
-            best = int(np.argmax(row))
-            if t != best:
-                margin = float(row[best] - row[t])
-                assert margin <= TIE * float(np.abs(row).max()), f"token {i}: GPU {t}, reference {best} by {margin:.4g}"
-                ties += 1
-        assert ties <= 2, f"{ties} ties"
+        ties = _greedy_ties(gen, lr, len(prompt))
+        assert len(ties) <= 2, f"ties at {ties}"
     finally:
         hb.close()
 
@@ -234,10 +238,7 @@ def test_benchmark_preset_matches_reference(preset):
 def _assert_logits_and_greedy_match(hb, ref, vocab, n_tokens, seed, max_tokens):
     """Logits at every position of a random prompt within 2e-2 of the reference, and greedy
     decoding from a short prompt equal to the reference's, token for token."""
-    toks = np.random.default_rng(seed).integers(0, vocab, n_tokens).tolist()
-    got, want = hb.logits(toks), ref.logits(toks)
-    errs = [_rel(got[i], want[i]) for i in range(len(toks))]
-    assert max(errs) < 2e-2, f"max rel err {max(errs):.3g} at {int(np.argmax(errs))}"
+    _assert_logits_match(hb, ref, np.random.default_rng(seed).integers(0, vocab, n_tokens).tolist())
     stop = StopCriteria(max_tokens=max_tokens)
     prompt = [3, 17, 42, 5]
     assert list(hb.generate(prompt, DefaultSampler(), SamplingParams(), stop)) == \
