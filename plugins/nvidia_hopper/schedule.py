@@ -114,7 +114,7 @@ def lower(program: DecodeProgram, nb: int, nt: int = NT, kv_bufs: int = 2,
           fuse_lane_residual: bool = False) -> list[Stage]:
     """The program's ops grouped into stages (docs/nvidia-hopper.md "From decode program to
     stages"). fuse_lane_residual: a Laneformer "delayed" lane_residual right after the matvec that
-    writes its fresh partial runs in that matvec's epilogue (_fuse_lane_residual)."""
+    writes its fresh partial runs at the end of that matvec's stage (_fuse_lane_residual)."""
     P = program
     ops = P.ops
     T = P.tensors
