@@ -357,9 +357,11 @@ def test_stream_list_gives_each_block_its_items_in_stage_order():
 
 
 def test_trace_build_compiles():
-    """The timestamped build (KOG_HOPPER_TRACE, trace.py) must keep compiling."""
-    cubin, _, rep = _compile(**DEFAULT, TRACE=1, PREFETCH=4)
-    assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
+    """The timestamped build (KOG_HOPPER_TRACE, trace.py) must keep compiling, also with
+    Laneformer's fused residual (its tail pass has a stamp of its own)."""
+    for extra in ({}, {"LANE_RESIDUAL": 1}):
+        cubin, _, rep = _compile(**DEFAULT, TRACE=1, PREFETCH=4, **extra)
+        assert cubin[:4] == b"\x7fELF" and rep["registers"] <= MAX_REGISTERS
 
 
 def test_trace_summary_reads_a_synthetic_trace():
@@ -383,6 +385,8 @@ def test_trace_summary_reads_a_synthetic_trace():
                         tr[k, s, b, 25:29] = [t + 3500, t + 3600, t + 3700, t + 3800]
                 if s == 3:  # the grid sampler: keys 500 ns after the wait, 6 rounds, their parts
                     tr[k, s, b, 20:27] = [t + 1500, 6, 1200, 600, 3000 + 10 * b, 1800, 300]
+                if s == 2 and b >= 2:  # a fused lane residual's tail pass on blocks 2-4: 1.2 / 1.3 / 1.4 us
+                    tr[k, s, b, 20] = t + 3000
             t += 4400  # last block done + 0 gap: next stage enters then
     lines = summarize(tr, ["matvec[a]", "attn[attention]", "matvec[b]", "sample[sample]"])
     row = lines[2].split()
@@ -393,6 +397,7 @@ def test_trace_summary_reads_a_synthetic_trace():
     assert "first sub-chunk" not in lines[1] and "first sub-chunk" not in lines[3]
     assert "sampler: keys 0.50, 6 rounds: histograms / atomics / arrival / bins / choice 1.20 / 0.60 / 3.02 / 1.80 / 0.30" in lines[4]
     assert all("sampler" not in line for line in lines[1:4])
+    assert "residual tail 1.30" in lines[3] and all("residual tail" not in lines[i] for i in (1, 2, 4))
     # the last fence of a stage at +5.3 us from its entry, the next stage's wait done at +5.4
     assert all("release: signal warp +0.20, fence 0.70; waited 0.10 after the last fence" in line for line in lines[1:5])
     assert "release" not in "\n".join(summarize(tr[..., :29], ["matvec[a]", "attn[attention]", "matvec[b]", "sample[sample]"]))
@@ -869,21 +874,39 @@ def test_attention_warp_rows_compile_for_other_shapes(shape):
         assert rows != steps
 
 
-def test_rms_block_compiles_without_spills_and_changes_the_build():
-    """elementwise.cuh RMS_BLOCK (KOG_HOPPER_RMS_BLOCK=1, an experiment): the build with an RMSNorm
-    stage's block-a-row path compiles within the register bound and without spills, and is not the
-    default build (the path is compiled in only when asked for)."""
-    rb, _, _ = _compile_clean(**DEFAULT, RMS_BLOCK=1)
-    assert _compile(**DEFAULT)[0] != rb
+def test_rms_block_is_compiled_in_only_where_a_long_rmsnorm_stage_is():
+    """elementwise.cuh RMS_BLOCK (the default since session 14; KOG_HOPPER_RMS_BLOCK=0 turns it
+    off): laneformer-2b's final norm (8 lanes x 3072) is a stage it takes, and the backend compiles
+    it in there; bench-2b and llama-3.2-1b have no such stage (their norms are folded into matvecs),
+    so their builds stay without it. The build with it compiles within the register bound and
+    without spills, and differs from the one without (the path is really compiled in)."""
+    from kog_core.interfaces import resolve_factory
+    from kog_core.plugins import load_registry
+    from kog_laneformer.presets import LANEFORMER_2B
+    from kog_nvidia_hopper import schedule as S
+    reg = load_registry()
+    lane = resolve_factory(reg.architectures["laneformer"].factory)(LANEFORMER_2B.config)
+    assert S.has_long_rmsnorm(S.lower(lane.lower(context_length=4096, kv_dtype="bf16"), 132, 320, 1), 320)
+    from kog_moe_standard_tp.llama import Llama
+    from kog_moe_standard_tp.presets import BENCH_2B, LLAMA_32_1B
+    for preset in (BENCH_2B, LLAMA_32_1B):
+        prog = Llama(preset.config).lower(context_length=4096, kv_dtype="bf16")
+        assert not S.has_long_rmsnorm(S.lower(prog, 132, 320, 1), 320), preset.name
+    import re
+    from kog_nvidia_hopper.cuda_util import KERNEL_DIR
+    src = (KERNEL_DIR / "elementwise.cuh").read_text()
+    assert int(re.search(r"#define RMS_V (\d+)", src).group(1)) == S.RMS_BLOCK_VALUES
+    on, _, _ = _compile_clean(**DEFAULT, RMS_BLOCK=1)
+    assert _compile(**DEFAULT)[0] != on
 
 
 def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
-    """schedule._fuse_lane_residual (KOG_HOPPER_FUSE_LANE_RESIDUAL=1, an experiment): on
+    """schedule._fuse_lane_residual (KOG_HOPPER_FUSE_LANE_RESIDUAL, the default since session 14): on
     laneformer-2b every "delayed" lane_residual (and the collective before it) goes into the
     matvec stage that writes its fresh partial, one stage fewer each; the early layers'
     "allreduce" / "local" residuals stay elementwise stages; each block's rows of a fused stage
     are one contiguous range and the blocks cover every row once; the build with the fused
-    residual (LANE_RESIDUAL) has no spills, and the default build none of its code."""
+    residual (LANE_RESIDUAL) has no spills, and a build with no fused stage (a Llama's) none of its code."""
     from kog_core.interfaces import resolve_factory
     from kog_core.plugins import load_registry
     from kog_laneformer.presets import LANEFORMER_2B

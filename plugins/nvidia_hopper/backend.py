@@ -141,9 +141,10 @@ class HopperBackend(KernelBackend):
         # attention K/V sub-chunk buffers: 1 by default leaves 17 KB more shared memory to the weight ring
         self.kv_bufs = _env_int("KOG_HOPPER_KV_BUFFERS", 1, lo=1, hi=2)
         # Laneformer's delayed DTP residual at the end of the matvec stage that makes its partial
-        # (schedule._fuse_lane_residual; an experiment: its first form -4.9% in session 13, the
-        # tail-pass form written after that session's last device call, not yet run on the GPU)
-        fuse_lr = bool(_env_int("KOG_HOPPER_FUSE_LANE_RESIDUAL", 0, lo=0, hi=1))
+        # (schedule._fuse_lane_residual; the default since session 14: +2.5% on laneformer-2b, +5.4%
+        # with RMS_BLOCK; its first form, in every row group's epilogue, was -4.9% in session 13).
+        # 0: elementwise stages
+        fuse_lr = bool(_env_int("KOG_HOPPER_FUSE_LANE_RESIDUAL", 1, lo=0, hi=1))
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs, fuse_lane_residual=fuse_lr)
         # attention tiles to aim for (attention_plan.cuh att_chunks; default one per block): fewer, longer
         # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8);
@@ -287,9 +288,9 @@ class HopperBackend(KernelBackend):
             variant["COMPACT_ATTENTION"] = 1
         if _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1):  # input rows by cp.async (an experiment, session 8)
             variant["X_CPASYNC"] = 1
-        # an RMSNorm stage of few long rows a block a row (elementwise.cuh RMS_BLOCK; an experiment
-        # written in session 13 after its last device call, not yet run on the GPU)
-        if _env_int("KOG_HOPPER_RMS_BLOCK", 0, lo=0, hi=1):
+        # an RMSNorm stage of few long rows a block a row (elementwise.cuh RMS_BLOCK; the default
+        # since session 14: +2.5% on laneformer-2b), compiled in only where such a stage exists
+        if _env_int("KOG_HOPPER_RMS_BLOCK", 1, lo=0, hi=1) and S.has_long_rmsnorm(stages, self.nt):
             variant["RMS_BLOCK"] = 1
         # v18 (session 9): the attention's shapes compiled in when every attention stage shares them
         # (+3.4% on bench-2b), and the weight stream's copies L2 evict-first (+4.2%)

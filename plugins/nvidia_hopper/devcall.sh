@@ -8,7 +8,8 @@
 #              more `kog bench` arguments, e.g. "--temperature 1 --top-p 0.9"; LOGTAG: a log name prefix)
 #   variants   bench-2b under tuning variants (VARIANTS: KOG_HOPPER_* settings, comma-joined per variant)
 #   peer       the torch peer (.devcarry/torch_peer.py) for the same shapes
-#   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model
+#   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model (SAN_K: on the GPU tests
+#              matching this -k expression instead; SAN_TIMEOUT per tool, default 90 s)
 #   pick       export the fastest of the variants just run (KOG_HOPPER_* settings) for later phases
 #   trace      per-stage timestamps (trace.py) for TRACE_PRESETS under each of TRACE_ENVS (TRACE_ARGS:
 #              more trace.py arguments, e.g. "--at 1100 --tokens 1200")
@@ -71,13 +72,17 @@ pick)  # export the fastest variant's settings for the phases after it, if it be
 peer)
   export PYTHONPATH=${SITE:-/tmp/site}
   for p in ${PEERS:-bench-2b llama-3.2-1b laneformer-2b-dense}; do
-    timeout 110 python3 .devcarry/torch_peer.py --preset $p --tokens 512 --modes compiled > $OUT/peer_$p.log 2>&1; tail -1 $OUT/peer_$p.log | cut -c1-400
+    timeout ${PEER_TIMEOUT:-110} python3 .devcarry/torch_peer.py --preset $p --tokens 512 --modes compiled > $OUT/peer_$p.log 2>&1; tail -1 $OUT/peer_$p.log | cut -c1-400
   done ;;
 sanitize)
   export PYTHONPATH=${SITE:-/tmp/site}
   for tool in ${SAN_TOOLS:-memcheck racecheck}; do
-    timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --print-limit 10 python3 -m kog_nvidia_hopper.selfcheck > $OUT/san_$tool.log 2>&1
-    echo "$tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|selfcheck ok" $OUT/san_$tool.log | tr '\n' ' ')"
+    if [ -n "${SAN_K:-}" ]; then  # the GPU tests matching SAN_K instead of the selfcheck
+      timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --print-limit 10 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "$SAN_K" > $OUT/san_$tool.log 2>&1
+    else
+      timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --print-limit 10 python3 -m kog_nvidia_hopper.selfcheck > $OUT/san_$tool.log 2>&1
+    fi
+    echo "$tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|selfcheck ok|passed|failed" $OUT/san_$tool.log | tr '\n' ' ' | cut -c1-300)"
   done ;;
 trace)
   export PYTHONPATH=${SITE:-/tmp/site}

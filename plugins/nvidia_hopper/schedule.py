@@ -463,6 +463,18 @@ def attention_shape_consts(stages) -> dict:
     return {f"ATC_{k}": v for k, v in zip(ATTENTION_SHAPE_FIELDS, shapes.pop())}
 
 
+RMS_BLOCK_VALUES = 4  # elementwise.cuh RMS_V: float4s a thread in a block-a-row RMSNorm
+
+
+def has_long_rmsnorm(stages, nt: int = NT) -> bool:
+    """Whether an elementwise RMSNorm stage has rows that elementwise.cuh's RMS_BLOCK path takes (256
+    to 4 * nt * RMS_V values, a multiple of 4): Laneformer's final norm before the lane mean. The
+    backend compiles the path in only then, so other models' builds keep their code unchanged."""
+    return any(st.type == "ew" and st.f.get("EW_OP") == "OP_RMSNORM"
+               and 256 <= st.f["EW_GROUP"] <= 4 * nt * RMS_BLOCK_VALUES and st.f["EW_GROUP"] % 4 == 0
+               for st in stages)
+
+
 def _ew_stage(P, op, i):
     T = P.tensors
     k = op.kind

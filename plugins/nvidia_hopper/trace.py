@@ -30,7 +30,9 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
     stage (sampled decoding): its keys ready after the wait, its rounds, and the rounds' summed
     histograms / atomics / arrival / bins read / choice. With the signal warp's stamps (fields 29-30):
     its release of the stage after the block's done (median), the release's fence, and how long
-    after the previous stage's last fence the median block's wait ended (lat without the fences)."""
+    after the previous stage's last fence the median block's wait ended (lat without the fences).
+    A matvec stage with Laneformer's fused residual (field 20 without the sampler's 21): its tail
+    pass, from its start to the block's done, median over the blocks that have rows in it."""
     tr = tr.astype(np.int64)
     ntok, nst, nb, ntr = tr.shape
     rows = []
@@ -82,7 +84,12 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
                 rs[1] = np.median(t[s, :, 30] - t[s, :, 29])
             if ntr >= 31 and prev_fence:
                 rs[2] = np.median(t[s, :, 1]) - prev_fence
-            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub, *hot, *sg, *rs))
+            tail = 0.0  # the fused lane residual's pass (matvec.cuh LANE_RESIDUAL)
+            if t.shape[-1] >= 22 and not tiles.any() and not t[s, :, 21].any() and t[s, :, 20].any():
+                rows20 = t[s][t[s, :, 20] > 0]
+                tail = np.median(rows20[:, 3] - rows20[:, 20])
+            r.append((chain, lat, load, work, spread, ahead, stall, cwait, rel, *ph, int(t[s, last, 7]), xin, nrm, *sub, *hot, *sg, *rs,
+                      tail))
             prev_done = done.max()
             prev_fence = t[s, :, 30].max() if ntr >= 31 else 0
         rows.append(r)
@@ -111,6 +118,8 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
             line += f"  release: signal warp +{c[36]:.2f}, fence {c[37]:.2f}"
         if c[38]:
             line += f"; waited {c[38]:.2f} after the last fence"
+        if c[39]:
+            line += f"  residual tail {c[39]:.2f}"
         out.append(line)
     by = {}
     for s in range(nst):

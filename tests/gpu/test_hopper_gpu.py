@@ -319,11 +319,12 @@ BOTH_WAYS = [
     # the signal warp asleep in the consumers' end-of-stage barrier against polling the word thread
     # 0 sets after it; a request that ends (max tokens) must let the kernel exit either way
     ("SIGNAL_BAR", "SIGNAL_BAR", ["llama", "laneformer-lane"]),
-    # Laneformer's delayed DTP residual at the end of the matvec stage (an experiment): both
-    # small models have delayed layers (delay 1 of 2 layers, delay 2 of 3)
+    # Laneformer's delayed DTP residual at the end of the matvec stage (the default since session
+    # 14) against its elementwise stage: both small models have delayed layers (delay 1 of 2
+    # layers, delay 2 of 3)
     ("FUSE_LANE_RESIDUAL", "LANE_RESIDUAL", ["laneformer-lane", "laneformer-replicate"]),
-    # an RMSNorm stage of few long rows a block a row (an experiment, session 13): laneformer-lane's
-    # final norm (4 lanes x 256) is such a stage
+    # an RMSNorm stage of few long rows a block a row (the default since session 14) against a warp
+    # a row: laneformer-lane's final norm (4 lanes x 256) is such a stage
     ("RMS_BLOCK", "RMS_BLOCK", ["laneformer-lane"]),
 ]
 

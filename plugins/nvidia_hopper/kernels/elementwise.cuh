@@ -2,11 +2,13 @@
 // Laneformer's lane ops. Part of the decode kernel: decode.cu includes it (cuda_util.kernel_source
 // splices it in, in order).
 
-// RMS_BLOCK (an experiment, off; KOG_HOPPER_RMS_BLOCK=1): an RMSNorm of few long rows (256 to
-// 4 * NT * RMS_V values a row; Laneformer's final norm, 8 lanes x 3072) takes a block a row, every
-// value of the row loaded at once into registers (float4s, RMS_V a thread), one block reduction,
-// instead of a warp a row looping over it: 96 loads a lane in two passes, unrolled by ~4, about 50
-// L2 round trips in a row on one block. Session 13's trace: laneformer-2b's final norm stage
+// RMS_BLOCK (the default since session 14, +2.5% on laneformer-2b; KOG_HOPPER_RMS_BLOCK=0: a warp a
+// row; the backend defines it only when a stage has such rows, schedule.has_long_rmsnorm): an
+// RMSNorm of few long rows (256 to 4 * NT * RMS_V values a row; Laneformer's final norm, 8 lanes x
+// 3072) takes a block a row, every value of the row loaded at once into registers (float4s, RMS_V a
+// thread; schedule.RMS_BLOCK_VALUES must match), one block reduction, instead of a warp a row
+// looping over it: 96 loads a lane in two passes, unrolled by ~4, about 50 L2 round trips in a row
+// on one block. Session 13's trace: laneformer-2b's final norm stage
 // 39.9 us a token (its last block 37 us after the median), 2.6% of the token.
 #ifndef RMS_BLOCK
 #define RMS_BLOCK 0

@@ -288,15 +288,16 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
 #define DEBUG_DOT 0
 #endif
 
-// LANE_RESIDUAL (KOG_HOPPER_FUSE_LANE_RESIDUAL=1, an experiment; the backend defines it when a
-// stage has a fused segment): Laneformer's "delayed" lane_residual, x[l] += fresh[l] + sum_{j != l}
+// LANE_RESIDUAL (KOG_HOPPER_FUSE_LANE_RESIDUAL, the default since session 14; the backend defines
+// it when a stage has a fused segment): Laneformer's "delayed" lane_residual, x[l] += fresh[l] + sum_{j != l}
 // delayed[j], at the end of the matvec stage that writes fresh (schedule._fuse_lane_residual),
 // without a stage boundary: after the block's last item, a pass over the block's own rows of fresh
 // (binfo's w: first flattened row lane * N + r | count << 16, schedule.stream_list), every row's
 // loads in flight at once, the lanes added in lane order as the elementwise stage adds them.
 // Session 13 measured the first form (the residual in every row group's epilogue, its state in the
 // item loop): -4.9% on laneformer-2b, ~1.1 us a stage from the item loop's larger code alone and
-// ~0.6 us a row group of epilogue waits. This form leaves the item loop as the unfused build's.
+// ~0.6 us a row group of epilogue waits. This form leaves the item loop as the unfused build's:
+// +2.5% on laneformer-2b (session 14; +5.4% with RMS_BLOCK).
 #ifndef LANE_RESIDUAL
 #define LANE_RESIDUAL 0
 #endif
@@ -477,6 +478,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         const i64* sg = seg(st, 0);
         for (int i = 1; i < (int)st[MV_NSEG] && !sg[SEG_LRD]; ++i) sg = seg(st, i);
         csync();  // every warp's fresh outputs written (a barrier shows a block's global writes to all its threads)
+        TMARK(c, 20);  // the trace build: the tail pass begins
         lane_residual_tail((const float*)sg[SEG_OUT], (float*)sg[SEG_LRX], (const float*)sg[SEG_LRD], (int)sg[SEG_N],
                            (int)st[MV_L], (int)sg[SEG_OUTL], c.blk.w & 0xffff, (int)((u32)c.blk.w >> 16));
     }
