@@ -72,6 +72,15 @@ def _bench2b_program():
     return Llama(BENCH_2B.config).lower(context_length=4096, kv_dtype="bf16")
 
 
+def _laneformer2b_program():
+    """laneformer-2b's decode program at a 4,096-token context with a bf16 KV cache."""
+    from kog_core.interfaces import resolve_factory
+    from kog_core.plugins import load_registry
+    from kog_laneformer.presets import LANEFORMER_2B
+    arch = resolve_factory(load_registry().architectures["laneformer"].factory)(LANEFORMER_2B.config)
+    return arch.lower(context_length=4096, kv_dtype="bf16")
+
+
 def _bench2b_stages_as_loaded():
     """bench-2b's stages as HopperBackend.load has them when it sizes the ring (default build: 10
     consumer warps, one K/V buffer, the attention's chunks combined in the attention stage, matvecs
@@ -880,20 +889,15 @@ def test_rms_block_is_compiled_in_only_where_a_long_rmsnorm_stage_is():
     it in there; bench-2b and llama-3.2-1b have no such stage (their norms are folded into matvecs),
     so their builds stay without it. The build with it compiles within the register bound and
     without spills, and differs from the one without (the path is really compiled in)."""
-    from kog_core.interfaces import resolve_factory
-    from kog_core.plugins import load_registry
-    from kog_laneformer.presets import LANEFORMER_2B
-    from kog_nvidia_hopper import schedule as S
-    reg = load_registry()
-    lane = resolve_factory(reg.architectures["laneformer"].factory)(LANEFORMER_2B.config)
-    assert S.has_long_rmsnorm(S.lower(lane.lower(context_length=4096, kv_dtype="bf16"), 132, 320, 1), 320)
-    from kog_moe_standard_tp.llama import Llama
-    from kog_moe_standard_tp.presets import BENCH_2B, LLAMA_32_1B
-    for preset in (BENCH_2B, LLAMA_32_1B):
-        prog = Llama(preset.config).lower(context_length=4096, kv_dtype="bf16")
-        assert not S.has_long_rmsnorm(S.lower(prog, 132, 320, 1), 320), preset.name
     import re
+    from kog_moe_standard_tp.llama import Llama
+    from kog_moe_standard_tp.presets import LLAMA_32_1B
+    from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.cuda_util import KERNEL_DIR
+    assert S.has_long_rmsnorm(S.lower(_laneformer2b_program(), 132, 320, 1), 320)
+    llama_1b = Llama(LLAMA_32_1B.config).lower(context_length=4096, kv_dtype="bf16")
+    for name, prog in (("bench-2b", _bench2b_program()), ("llama-3.2-1b", llama_1b)):
+        assert not S.has_long_rmsnorm(S.lower(prog, 132, 320, 1), 320), name
     src = (KERNEL_DIR / "elementwise.cuh").read_text()
     assert int(re.search(r"#define RMS_V (\d+)", src).group(1)) == S.RMS_BLOCK_VALUES
     on, _, _ = _compile_clean(**DEFAULT, RMS_BLOCK=1)
@@ -907,12 +911,8 @@ def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
     "allreduce" / "local" residuals stay elementwise stages; each block's rows of a fused stage
     are one contiguous range and the blocks cover every row once; the build with the fused
     residual (LANE_RESIDUAL) has no spills, and a build with no fused stage (a Llama's) none of its code."""
-    from kog_core.interfaces import resolve_factory
-    from kog_core.plugins import load_registry
-    from kog_laneformer.presets import LANEFORMER_2B
     from kog_nvidia_hopper import schedule as S
-    arch = resolve_factory(load_registry().architectures["laneformer"].factory)(LANEFORMER_2B.config)
-    prog = arch.lower(context_length=4096, kv_dtype="bf16")
+    prog = _laneformer2b_program()
     plain = S.lower(prog, 132, 320, 1)
     fused = S.lower(prog, 132, 320, 1, fuse_lane_residual=True)
     delayed = [i for i, op in enumerate(prog.ops) if op.kind == "lane_residual" and op.attr("mode") == "delayed"]

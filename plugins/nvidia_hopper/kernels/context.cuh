@@ -12,8 +12,9 @@
 // a block's second attention tile, whose code has just run (KOG_HOPPER_ATT_TILES above the block
 // count): 20 tile start, 21-24 as 10-13, 25-28 as 16-19. Cold against hot code, the same steps.
 // A matvec stage with Laneformer's fused residual (LANE_RESIDUAL): 20 its tail pass begins (blocks
-// with rows). The signal warp (SIGNAL_WARP): 29 its release of the stage begins, 30 the release's fence is done
-// and the counter's add issued (a gpu-scope release waits on the SM's memory operations in flight).
+// with rows). The signal warp (SIGNAL_WARP): 29 its release of the stage begins, 30 the release's
+// fence is done and the counter's add issued (a gpu-scope release waits on the SM's memory
+// operations in flight).
 #ifdef TRACE
 #define NTRACE 4
 #define TRACE_W 31
