@@ -291,13 +291,13 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
 // LANE_RESIDUAL (KOG_HOPPER_FUSE_LANE_RESIDUAL, the default since session 14; the backend defines
 // it when a stage has a fused segment): Laneformer's "delayed" lane_residual, x[l] += fresh[l] +
 // sum_{j != l} delayed[j], at the end of the matvec stage that writes fresh
-// (schedule._fuse_lane_residual), without a stage boundary: after the block's last item, a pass over the block's own rows of fresh
-// (binfo's w: first flattened row lane * N + r | count << 16, schedule.stream_list), every row's
-// loads in flight at once, the lanes added in lane order as the elementwise stage adds them.
-// Session 13 measured the first form (the residual in every row group's epilogue, its state in the
-// item loop): -4.9% on laneformer-2b, ~1.1 us a stage from the item loop's larger code alone and
-// ~0.6 us a row group of epilogue waits. This form leaves the item loop as the unfused build's:
-// +2.5% on laneformer-2b (session 14; +5.4% with RMS_BLOCK).
+// (schedule._fuse_lane_residual), without a stage boundary: after the block's last item, a pass
+// over the block's own rows of fresh (binfo's w: first flattened row lane * N + r | count << 16,
+// schedule.stream_list), every row's loads in flight at once, the lanes added in lane order as
+// the elementwise stage adds them. Session 13 measured the first form (the residual in every row
+// group's epilogue, its state in the item loop): -4.9% on laneformer-2b, ~1.1 us a stage from the
+// item loop's larger code alone and ~0.6 us a row group of epilogue waits. This form leaves the
+// item loop as the unfused build's: +2.5% on laneformer-2b (session 14; +5.4% with RMS_BLOCK).
 #ifndef LANE_RESIDUAL
 #define LANE_RESIDUAL 0
 #endif
