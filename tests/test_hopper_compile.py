@@ -190,13 +190,18 @@ def _plan_stage(K, segs, lanes=1):
     (64, [(5, True)], 3, 7),
 ])
 @pytest.mark.parametrize("kalign", [1, 32])
-def test_stream_plan_covers_every_weight_once(K, segs, lanes, nb, kalign):
+@pytest.mark.parametrize("wide", [False, True])
+def test_stream_plan_covers_every_weight_once(K, segs, lanes, nb, kalign, wide):
     """Every (segment, lane, row, column) is in exactly one item; items fit a slot; the k-slices
-    of a row group are consecutive with FIRST/LAST flags; blocks get equal bytes (+ one group)."""
+    of a row group are consecutive with FIRST/LAST flags; blocks get equal bytes (+ one group).
+    wide (schedule.wide_items, never with a gate/up pair): up to 4 rows a warp."""
     import numpy as np
     from kog_nvidia_hopper import schedule as S
+    if wide and any(pair for _, pair in segs):
+        pytest.skip("a stage with a gate/up pair is never wide")
     slot = 32768
-    plan, xbytes = S.stream_plan(_plan_stage(K, segs, lanes), nb, 12, slot, kalign=kalign)
+    plan, xbytes = S.stream_plan(_plan_stage(K, segs, lanes), nb, 12, slot, kalign=kalign, wide=wide)
+    rows_max = 48 if wide else 24
     offs = plan[:nb + 1]
     items = S.plan_items(plan, nb)
     assert offs[0] == 0 and offs[-1] == len(items) and np.all(np.diff(offs) >= 0)
@@ -211,7 +216,7 @@ def test_stream_plan_covers_every_weight_once(K, segs, lanes, nb, kalign):
             pair = segs[si][1]
             assert rows >= 1 and klen % 8 == 0 and k0 % 8 == 0
             assert rows * (2 if pair else 1) * klen * 2 <= slot
-            assert rows <= (12 if pair else 24)
+            assert rows <= (12 if pair else rows_max)
             assert xoff == (lane - lane0) * K and lane0 <= lane < lane0 + nl
             seen[(si, lane)][r0:r0 + rows, k0:k0 + klen] += 1
             nbytes += rows * (2 if pair else 1) * klen * 2
@@ -230,7 +235,7 @@ def test_stream_plan_covers_every_weight_once(K, segs, lanes, nb, kalign):
     for v in seen.values():
         assert np.all(v == 1)
     total = sum(per_block)
-    group = 24 * K * 2
+    group = rows_max * K * 2
     assert max(per_block) <= total / nb + group
 
 
@@ -939,3 +944,106 @@ def test_lane_residual_fusion_takes_only_delayed_residuals_and_compiles():
     _compile_clean(**DEFAULT, LANE_RESIDUAL=1)
     with_lr, _, _ = _compile_clean(**DEFAULT, **consts, LANE_RESIDUAL=1)
     assert _compile(**DEFAULT, **consts)[0] != with_lr
+
+
+def test_wide_items_fill_the_slots_of_stages_with_short_rows():
+    """schedule.wide_items (KOG_HOPPER_WIDE_ITEMS, matvec.cuh WIDE_ITEMS): on laneformer-2b only
+    o_proj (K = 384) takes items of 4 rows a warp, which fill its 31 KB slots instead of half of
+    each; bench-2b has no such stage, so its build keeps the item loop it had. The backend marks
+    the stage (MVF_WIDE) and the build compiles without spills; bench-2b's is unchanged by the knob."""
+    from types import SimpleNamespace
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.backend import HopperBackend
+    prog = _laneformer2b_program()
+    stages = S.lower(prog, 132, 320, 1, fuse_lane_residual=True)
+    for st in stages:
+        if st.type == "matvec":
+            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024, norm_smem=1, kalign=32)
+    slot, plans, _ = HopperBackend._ring_slots(hb, stages, None, True)
+    wide = [si for si in plans if stages[si].f["MV_FLAGS"] & S.CONSTS["MVF_WIDE"]]
+    assert slot == 31744 and wide
+    assert all(int(stages[si].f["MV_K"]) == 384 and stages[si].label == "wo" for si in wide)
+    assert len(wide) == sum(1 for st in stages if st.type == "matvec" and int(st.f["MV_K"]) == 384)
+    for si in wide:
+        its = S.plan_items(plans[si], 132)
+        assert 2 * S.NW_DEFAULT < its[:, 4].max() <= 4 * S.NW_DEFAULT and (its[:, 7] == 3).all()  # one k-slice each
+        assert (its[:, 4] * its[:, 6] * 2).mean() > 0.75 * slot  # against 15 KB of 31 an item before
+    _, plans_off, _ = HopperBackend._ring_slots(hb, stages, None, False)
+    assert not any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_WIDE"] for st in stages)
+    assert max(S.plan_items(plans_off[si], 132)[:, 4].max() for si in wide) == 2 * S.NW_DEFAULT
+    b2 = _bench2b_stages_as_loaded()
+    assert not any(S.wide_items(st, S.NW_DEFAULT, 31744) for st in b2)
+    consts = dict(S.attention_shape_consts(stages))
+    on, _, _ = _compile_clean(**DEFAULT, **consts, RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1)
+    assert on != _compile(**DEFAULT, **consts, RMS_BLOCK=1, LANE_RESIDUAL=1)[0]
+
+
+def test_lanes_load_applies_where_a_block_takes_several_lanes_and_compiles_clean():
+    """matvec.cuh LANES_LOAD (KOG_HOPPER_LANES_LOAD): laneformer-2b has blocks whose share of a
+    matvec stage spans two lanes' input rows (dealt segment by segment, q/k/v: 20 of 132; lane by
+    lane, the default: 4 in each stage), each within one batch of XV float4s a thread with K / 4 a
+    multiple of 32 (a warp's batch slot in one lane); bench-2b has none, so its build never has
+    the path. The Laneformer build with it and the wide items has no spills."""
+    from kog_nvidia_hopper import schedule as S
+    stages = S.lower(_laneformer2b_program(), 132, 320, 1, fuse_lane_residual=True)
+    multi = 0
+    for st in stages:
+        if st.type != "matvec":
+            continue
+        plan, _ = S.stream_plan(st, 132, S.NW_DEFAULT, 31744, None, 32, wide=S.wide_items(st, S.NW_DEFAULT, 31744))
+        nl = plan[2 * 132 + 1:3 * 132 + 1]
+        K4 = int(st.f["MV_K"]) // 4
+        multi += int((nl > 1).sum())
+        assert (nl * K4 <= 6 * 320).all() and K4 % 32 == 0  # XV = 6 float4s a thread at 10 warps
+        st.f["_lane_major"], st.f["_lane_pad"] = 1, 16  # the backend's default dealing
+        plan, _ = S.stream_plan(st, 132, S.NW_DEFAULT, 31744, None, 32, wide=S.wide_items(st, S.NW_DEFAULT, 31744))
+        nl = plan[2 * 132 + 1:3 * 132 + 1]
+        assert nl.max() <= 2 and (st.label == "lm_head" or (nl == 2).sum() >= 1)
+    assert multi >= 20
+    for st in _bench2b_stages_as_loaded():
+        if st.type == "matvec":
+            plan, _ = S.stream_plan(st, 132, S.NW_DEFAULT, 31744, None, 32)
+            assert plan[2 * 132 + 1:3 * 132 + 1].max() <= 1
+    consts = dict(S.attention_shape_consts(stages))
+    on, _, _ = _compile_clean(**DEFAULT, **consts, RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1)
+    assert on != _compile(**DEFAULT, **consts, RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1)[0]
+    _compile_clean(**dict(DEFAULT, DEFER_NORM=0), **consts, LANES_LOAD=1)  # plain inputs only, normed ones a lane at a time
+
+
+@pytest.mark.parametrize("pad", [0, 8, 16])
+def test_rows_dealt_lane_by_lane_cover_every_weight_once(pad):
+    """schedule._deal_rows with _lane_major (KOG_HOPPER_LANE_MAJOR) and _lane_pad: on laneformer-2b
+    every (segment, lane, row) of every matvec stage is in exactly one block's items, a block takes
+    at most two lanes (so the x scratch does not grow), q/k/v has fewer two-lane blocks than dealt
+    segment by segment, and with a pad those blocks take fewer weight bytes than the others."""
+    from kog_nvidia_hopper import schedule as S
+    stages = S.lower(_laneformer2b_program(), 132, 320, 1, fuse_lane_residual=True)
+    for st in stages:
+        if st.type != "matvec":
+            continue
+        before = S.stream_plan(st, 132, 10, 31744, None, 32)[0]
+        xs = S.x_scratch(st, 132)
+        st.f["_lane_major"], st.f["_lane_pad"] = 1, pad
+        plan, xbytes = S.stream_plan(st, 132, 10, 31744, None, 32)
+        assert S.x_scratch(st, 132) == xbytes <= xs
+        its = S.plan_items(plan, 132)
+        seen = {(si, l): np.zeros(int(sg["SEG_N"]), np.int32) for si, sg in enumerate(st.segs) for l in range(sg["lanes"])}
+        for si, lane, _, r0, rows, k0, klen, flags, _ in its:
+            if flags & 1:
+                seen[(int(si), int(lane))][r0:r0 + rows] += 1
+        assert all((v == 1).all() for v in seen.values()), st.label
+        nl, nl_before = plan[2 * 132 + 1:3 * 132 + 1], before[2 * 132 + 1:3 * 132 + 1]
+        assert nl.max() <= 2 and (nl == 2).sum() <= (nl_before == 2).sum()
+        if st.label == "wq+wk+wv":
+            assert (nl == 2).sum() < (nl_before == 2).sum()
+            offs = plan[:133]
+            by = np.array([int((its[offs[b]:offs[b + 1], 4] * its[offs[b]:offs[b + 1], 6]).sum()) for b in range(132)])
+            if pad:
+                assert by[nl == 2].max() < by[nl == 1].min()
+    # a model without lanes gets the same plan either way (bench-2b's build needs no re-measurement)
+    for st in _bench2b_stages_as_loaded():
+        if st.type == "matvec":
+            before = S.stream_plan(st, 132, 10, 31744, None, 32)[0]
+            st.f["_lane_major"], st.f["_lane_pad"] = 1, pad
+            assert (S.stream_plan(st, 132, 10, 31744, None, 32)[0] == before).all()

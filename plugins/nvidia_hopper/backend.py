@@ -232,7 +232,19 @@ class HopperBackend(KernelBackend):
         # matvec.cuh NORM_SMEM (default since v17, +0.5%): the norm weights a stage preloads before
         # its wait go to shared memory by cp.async instead of local memory
         self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 1, lo=0, hi=1)
-        slot_bytes, plans, scratch = self._ring_slots(stages, item_rows)
+        # items of two row groups where a row group fills at most half a slot (matvec.cuh
+        # WIDE_ITEMS; laneformer-2b's o_proj, K = 384). Not with KOG_HOPPER_ITEM_ROWS
+        wide = _env_int("KOG_HOPPER_WIDE_ITEMS", 1, lo=0, hi=1) == 1 and item_rows is None
+        # rows dealt lane by lane (a block spans at most two lanes), with 16 weight rows of cost counted
+        # at each change of lane, so a block that loads two lanes' input rows takes fewer weights
+        # (schedule._deal_rows; session 15: +0.9% on laneformer-2b, pads 0 / 8 / 16 +0.3 / +0.6 / +0.9%).
+        # A model without lanes gets the same plan either way
+        lane_major = _env_int("KOG_HOPPER_LANE_MAJOR", 1, lo=0, hi=1)
+        lane_pad = _env_int("KOG_HOPPER_LANE_PAD_ROWS", 16, lo=0, hi=64)
+        for st in stages:
+            if st.type == "matvec" and lane_major:
+                st.f["_lane_major"], st.f["_lane_pad"] = 1, lane_pad
+        slot_bytes, plans, scratch = self._ring_slots(stages, item_rows, wide)
         streamed = []
         for si, st in enumerate(stages):
             if st.type == "matvec":
@@ -300,6 +312,12 @@ class HopperBackend(KernelBackend):
             variant["STREAM_L2_FIRST"] = 1
         if any(sg.get("SEG_LRX") for st in stages for sg in st.segs):
             variant["LANE_RESIDUAL"] = 1
+        if any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_WIDE"] for st in stages):
+            variant["WIDE_ITEMS"] = 1
+        # a block's input rows of several lanes in one batch of loads (matvec.cuh LANES_LOAD), compiled
+        # in only where a block of a matvec stage takes more than one lane (Laneformer)
+        if _env_int("KOG_HOPPER_LANES_LOAD", 1, lo=0, hi=1) and int(binfo[:, :, 2].max(initial=0)) > 1:
+            variant["LANES_LOAD"] = 1
         if tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
         if self.sample_grid:
@@ -362,13 +380,15 @@ class HopperBackend(KernelBackend):
         self.cancel_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cancel))
         self.pos = 0
 
-    def _ring_slots(self, stages, item_rows):
+    def _ring_slots(self, stages, item_rows, wide=False):
         """The ring's slot size, every matvec stage's stream plan for it, and the shared memory the
         stages need before the ring (each matvec stage's `smem` is set here: its x rows, plus the
         chunk weights when its loader combines the attention's chunks, matvec.cuh mv_load_attn).
         KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
         into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
-        notes, session 4). Returns (slot bytes, {stage: plan}, scratch bytes)."""
+        notes, session 4). wide: stages whose rows are short take items of two row groups
+        (schedule.wide_items; their MV_FLAGS get MVF_WIDE). Returns (slot bytes, {stage: plan},
+        scratch bytes)."""
         mv = [si for si, st in enumerate(stages) if st.type == "matvec"]
         for si in mv:  # x scratch: set by the row dealing alone, not by the slot size
             at = stages[stages[si].f["_attn_stage"]] if "_attn_stage" in stages[si].f else None
@@ -382,7 +402,11 @@ class HopperBackend(KernelBackend):
             n = avail // slot_bytes + 1
             if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
                 slot_bytes = avail // n // 1024 * 1024
-        plans = {si: S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows, self.kalign)[0] for si in mv}
+        plans = {}
+        for si in mv:
+            w = wide and S.wide_items(stages[si], self.nw, slot_bytes)
+            stages[si].f["MV_FLAGS"] = int(stages[si].f["MV_FLAGS"]) & ~S.CONSTS["MVF_WIDE"] | (S.CONSTS["MVF_WIDE"] if w else 0)
+            plans[si] = S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows, self.kalign, wide=w)[0]
         return slot_bytes, plans, scratch
 
     def _pack(self, st: S.Stage) -> np.ndarray:

@@ -53,7 +53,7 @@ CONSTS = dict(
     SG_ROUNDS=24,  # the grid sampler's rounds a token at most (sample_grid.cuh: 3 selects of 8 passes)
     SAMPLE_CAP=2048,  # block 0's sampler (sample.cuh radix_select): candidates listed in shared memory once that few
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
-    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16,
+    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
     OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
 )
@@ -569,14 +569,28 @@ MAX_SLOTS = 16
 
 def _deal_rows(st: Stage, nb: int):
     """Rows of every (segment, lane) dealt to the blocks in contiguous ranges of equal bytes:
-    yields (segment, lane, rows, pair, block, first row, end row) for every non-empty range."""
+    yields (segment, lane, rows, pair, block, first row, end row) for every non-empty range.
+    st.f["_lane_major"] (KOG_HOPPER_LANE_MAJOR, an experiment): the runs go lane by lane (every
+    segment of lane 0, then of lane 1, ...), so a block spans at most two lanes and only at the
+    lane changes (laneformer-2b's q/k/v: 7 blocks with two lanes instead of 20), and st.f["_lane_pad"]
+    (KOG_HOPPER_LANE_PAD_ROWS) weight rows of cost are counted at every change of lane, so a block
+    that loads two lanes' input rows gets fewer weight rows."""
     runs = []  # (segment, lane, rows, pair)
-    for si, sg in enumerate(st.segs):
-        for lane in range(sg["lanes"]):
-            runs.append((si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"])))
-    total = sum(n * (2 if pair else 1) for _, _, n, pair in runs)  # weight rows
+    if st.f.get("_lane_major"):
+        for lane in range(max(sg["lanes"] for sg in st.segs)):
+            for si, sg in enumerate(st.segs):
+                if lane < sg["lanes"]:
+                    runs.append((si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"])))
+    else:
+        for si, sg in enumerate(st.segs):
+            for lane in range(sg["lanes"]):
+                runs.append((si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"])))
+    pad = int(st.f.get("_lane_pad", 0)) if st.f.get("_lane_major") else 0
+    pads = [pad if i and runs[i][1] != runs[i - 1][1] else 0 for i in range(len(runs))]
+    total = sum(n * (2 if pair else 1) for _, _, n, pair in runs) + sum(pads)  # weight rows
     base = 0
-    for si, lane, n, pair in runs:
+    for (si, lane, n, pair), p in zip(runs, pads):
+        base += p
         cost = 2 if pair else 1
         blk = ((base + np.arange(n, dtype=np.int64) * cost) * nb) // total
         base += n * cost
@@ -595,20 +609,33 @@ def x_scratch(st: Stage, nb: int) -> int:
     return cnt * int(st.f["MV_K"]) * 4
 
 
+WIDE_GROUPS = 2  # an item of a wide stage holds twice the rows: 4 a consumer warp (matvec.cuh WIDE_ITEMS)
+
+
+def wide_items(st: Stage, nw: int, slot_bytes: int) -> bool:
+    """Whether a matvec stage's items take 4 rows a consumer warp instead of 2: its rows are so
+    short that an item of 2 rows a warp at full K fills at most half a slot (laneformer-2b's
+    o_proj, K = 384: 15 KB items in 31 KB slots stream at about half rate, session 15), and it has
+    no gate/up pair segment (a pair item already holds two rows a warp)."""
+    return (st.type == "matvec" and not any(sg["SEG_W2"] for sg in st.segs)
+            and WIDE_GROUPS * 2 * nw * int(st.f["MV_K"]) * 2 <= slot_bytes)
+
+
 def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | None = None,
-                kalign: int = 1) -> tuple[np.ndarray, int]:
+                kalign: int = 1, wide: bool = False) -> tuple[np.ndarray, int]:
     """The per-block work list of a matvec stage for the weight stream, and the x scratch it needs.
 
     Rows of every (segment, lane) are dealt to the blocks in contiguous ranges of equal bytes
     (a row never straddles two blocks: no cross-block reduction, so results do not depend on
     timing). A block's range is cut into row groups (<= max_rows weight rows: 2 per consumer
-    warp, gate+up for a pair segment) and each group into k-slices so that an item fits one ring
-    slot; the slices of a group are consecutive items, so a warp accumulates them in registers.
+    warp, gate+up for a pair segment; 4 per warp for a wide stage, wide_items) and each group into
+    k-slices so that an item fits one ring slot; the slices of a group are consecutive items, so a
+    warp accumulates them in registers.
     Every item is one contiguous run of the stage's packed weights (pack_stage_weights), so the
     producer moves it with a single bulk copy.
     Returns (int32 plan, bytes of x scratch). Layout: see stream.cuh (an item's header)."""
     K = int(st.f["MV_K"])
-    max_rows = max_rows or 2 * nw
+    max_rows = max_rows or 2 * nw * (WIDE_GROUPS if wide else 1)
     per_block: list[list[tuple]] = [[] for _ in range(nb)]
     for si, lane, n, pair, b, r0, r1 in _deal_rows(st, nb):
         cost = 2 if pair else 1

@@ -298,6 +298,40 @@ def test_tag_down_matches_reference(name, monkeypatch):
         hb.close()
 
 
+@pytest.mark.parametrize("name", ["laneformer-lane", "laneformer-replicate"])
+def test_rows_dealt_lane_by_lane_match_reference(name, monkeypatch):
+    """KOG_HOPPER_LANE_MAJOR=1 with KOG_HOPPER_LANE_PAD_ROWS=8 (experiments, session 15): the rows
+    dealt lane by lane, fewer to the blocks that load two lanes' input rows. Logits at every
+    position and greedy tokens still match the reference."""
+    monkeypatch.setenv("KOG_HOPPER_LANE_MAJOR", "1")
+    monkeypatch.setenv("KOG_HOPPER_LANE_PAD_ROWS", "8")
+    arch, prog, w = _small_or_laneformer(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert any(st.f.get("_lane_major") for st in hb.stages)
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+    finally:
+        hb.close()
+
+
+@pytest.mark.parametrize("value", [0, 1])
+@pytest.mark.parametrize("name", ["laneformer-lane", "laneformer-replicate"])
+def test_lanes_load_both_ways_match_reference(name, value, monkeypatch):
+    """KOG_HOPPER_LANES_LOAD = 0 and 1 (session 15): a block's input rows of several lanes in one
+    batch of loads against a batch a lane. The rows dealt segment by segment
+    (KOG_HOPPER_LANE_MAJOR=0): dealt lane by lane, the small Laneformers (4 lanes, 33 blocks each
+    on 132 SMs) have no block that takes two lanes, so the path would not be compiled in."""
+    monkeypatch.setenv("KOG_HOPPER_LANE_MAJOR", "0")
+    monkeypatch.setenv("KOG_HOPPER_LANES_LOAD", str(value))
+    arch, prog, w = _small_or_laneformer(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("LANES_LOAD", 0) == value
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=7, max_tokens=64)
+    finally:
+        hb.close()
+
+
 def _small_or_laneformer(name):
     """(arch, program, weights) of a small test model or of a Laneformer one ("laneformer-...")."""
     if name.startswith("laneformer"):
@@ -326,6 +360,10 @@ BOTH_WAYS = [
     # an RMSNorm stage of few long rows a block a row (the default since session 14) against a warp
     # a row: laneformer-lane's final norm (4 lanes x 256) is such a stage
     ("RMS_BLOCK", "RMS_BLOCK", ["laneformer-lane"]),
+    # items of 4 rows a warp where rows are short (session 15) against 2: the small models' q/k/v,
+    # o_proj and LM head (K <= 396) are wide stages, with bias (qwen2), residual, the deferred norm,
+    # several lanes a block (laneformer-lane) and the head's argmax and logits
+    ("WIDE_ITEMS", "WIDE_ITEMS", ["llama", "qwen2", "laneformer-lane"]),
 ]
 
 

@@ -232,6 +232,83 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
     }
 }
 
+// LANES_LOAD (KOG_HOPPER_LANES_LOAD; the backend defines it where a block of a matvec stage takes
+// input rows of several lanes, as Laneformer's blocks do at lane boundaries): such a block loads
+// all its lanes' rows as one batch, every load in flight at once with the norm weights of the
+// lanes after the first, instead of one or two round trips a lane. Session 15's trace: on
+// laneformer-2b the 20 of 132 q/k/v blocks with two lanes loaded in 2.73 us against 1.32 and
+// finished 1.9 us after the median block, most of the stage's spread. Measured +0.7% alone, +0.3%
+// with the wide items; normed loads of two lanes still take ~2.7 us (twice the bytes through the
+// SM's ingress while its ring streams, likely), so such blocks are also dealt fewer rows
+// (schedule._deal_rows, KOG_HOPPER_LANE_PAD_ROWS).
+#ifndef LANES_LOAD
+#define LANES_LOAD 0
+#endif
+#if LANES_LOAD
+// Rows of lanes lane0 .. lane0 + nl - 1, contiguous in the input ([L][K]): float4 f of the batch is
+// float4 f % K4 of lane f / K4. nl K4 <= XV NT, and K4 a multiple of 32, so that the 32 float4s
+// of a warp's batch slot lie in one lane: the warp's sums of squares go lane by lane into s_normsq
+// (zeroed first: a warp need not touch every lane), as mv_load_x leaves them for one lane. Plain
+// or normed input (deferred norm only); lane 0's norm weights from shared memory (nws) when there.
+__device__ __forceinline__ void mv_load_x_lanes(const Ctx& c, int nl, float* xs, const u16* nws) {
+    const i64* st = s_desc[c.dcur];
+    const int K = (int)st[MV_K], K4 = K >> 2, lane0 = c.blk.y;
+    const bool normed = DEFER_NORM && ((int)st[MV_IN_MODE] & IN_NORM);  // (the caller checks)
+    const float4* in = (const float4*)((const float*)st[MV_IN] + (i64)lane0 * K);
+    const i64 nwl = st[MV_NORM_WL];
+    const u16* nw = (const u16*)st[MV_NORM_W] + lane0 * nwl;
+    const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
+    float4 v[XV];
+    uint2 w[XV];
+#pragma unroll
+    for (int u = 0; u < XV; ++u) {
+        const int f = u * NT + tid;
+        if (f < nl * K4) {
+            const int l = f / K4, i = f - l * K4;
+            v[u] = __ldcg(in + f);
+            if (normed && !(nws && l == 0)) w[u] = *(const uint2*)(nw + l * nwl + 4 * i);
+        }
+    }
+    if (normed) {
+        if (nws) cp_wait_all();  // this thread's own copies of lane 0's norm weights
+#if DEFER_NORM
+        if (ln == 0)
+            for (int l = 0; l < nl; ++l) s_normsq[l * NW + warp] = 0.f;
+#endif
+    }
+    float ss = 0.f;
+    int cur = 0;  // the lane ss sums (the same in the whole warp)
+#pragma unroll
+    for (int u = 0; u < XV; ++u) {
+        if (u * NT + 32 * warp < nl * K4) {  // the whole warp or none of it
+            const int f = u * NT + tid, l = f / K4, i = f - l * K4;
+            if (normed) {
+#if DEFER_NORM
+                if (l != cur) {
+                    ss = warp_sum(ss);
+                    if (ln == 0) s_normsq[cur * NW + warp] += ss;
+                    ss = 0.f;
+                    cur = l;
+                }
+#endif
+                ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
+                ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
+                const uint2 ww = (nws && l == 0) ? *(const uint2*)(nws + 4 * i) : w[u];
+                v[u].x *= bf_lo(ww.x); v[u].y *= bf_hi(ww.x); v[u].z *= bf_lo(ww.y); v[u].w *= bf_hi(ww.y);
+            }
+            *x_f4(xs + l * K, K, i) = v[u];
+        }
+    }
+#if DEFER_NORM
+    if (normed) {
+        ss = warp_sum(ss);
+        if (ln == 0) s_normsq[cur * NW + warp] += ss;
+    }
+#endif
+    TMARK(c, 14);  // thread 0's input loads landed
+}
+#endif
+
 // IN_ATTN: x of lane `lane` = the attention output, combined here from the attention's chunk
 // partials (m, l, o): x[h][d] = sum_k exp(m_k - M) o_k[d] / sum_k exp(m_k - M) l_k.
 // wk: H * MAXCH * 2 floats of shared memory for the chunk weights.
@@ -324,9 +401,151 @@ __device__ __noinline__ void lane_residual_tail(const float* fresh, float* x, co
 }
 #endif
 
+// WIDE_ITEMS (KOG_HOPPER_WIDE_ITEMS; the backend defines it when a stage is wide,
+// schedule.wide_items): a stage whose rows are so short that a row group of 2 rows a warp at full K
+// fills at most half a slot (laneformer-2b's o_proj: K = 384, 15 KB items in 31 KB slots) takes
+// items of twice the rows, 4 a warp (mv_items<2>). A ring's rate is its bytes in flight
+// over the copies' round trip, so half-full slots stream at half rate (session 15's trace: o_proj
+// 9.2 us a layer for 4.2 of weights, the producer stalled on a full ring for 9.9).
+#ifndef WIDE_ITEMS
+#define WIDE_ITEMS 0
+#endif
+// The wide loop's unroll: 1 (session 15: +2.3% on laneformer-2b against +1.0% for 2, which also
+// leaves no room for LANES_LOAD's batch: 168 registers and 44 bytes of spills in the stage loop)
+#ifndef WIDE_UNROLL
+#define WIDE_UNROLL 1
+#endif
+// The other stages' loop unroll (an experiment's handle: KOG_HOPPER_DEFINES=MV_UNROLL=n; the wide
+// loop's unroll of 1 beat 2 on o_proj, unmeasured here)
+#ifndef MV_UNROLL
+#define MV_UNROLL 4
+#endif
+
 // Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
 // the item's k-slices in registers (a row group's slices are consecutive items of one block), and
-// writes its outputs after the last slice. Every consumer thread releases every slot (empty barrier: NT arrivals).
+// writes its outputs after the last slice. RG = 2 (a wide stage, never a pair): rows 4w .. 4w + 3,
+// as two pairs (the second pair's values are acc2, acc3; every wide item of three rows or more uses
+// it, so the small test models cover it). Every consumer thread releases every slot (empty
+// barrier: NT arrivals). run_matvec's item loop, inlined into it.
+template <int RG>
+__device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nitems, int lane0, int K,
+                                         int flags, int mode, const float* xs, float& best, int& bidx) {
+#ifdef TRACE
+    u64 twait = 0;
+#endif
+    const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
+    float acc0 = 0.f, acc1 = 0.f;
+    float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane 0)
+    float acc2 = 0.f, acc3 = 0.f, b2 = 0.f, b3 = 0.f, e2 = 0.f, e3 = 0.f;  // RG = 2: the second pair's
+    constexpr int R2 = 2;  // RG = 2: the second pair's rows follow the first's
+    for (int j = 0; j < nitems; ++j, ++q) {
+        const u32 slot = q % NSLOTS;
+#ifdef TRACE
+        const u64 tw = c.tr ? gtimer() : 0;
+#endif
+        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
+#ifdef TRACE
+        if (c.tr) twait += gtimer() - tw;
+#endif
+        const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
+        const i64* sg = seg(st, h.x & 3);
+        const bool pair = sg[SEG_W2] != 0;
+        const int ra = pair ? warp : 2 * RG * warp;       // row indices within the item
+        const int rb = pair ? h.w + warp : ra + 1;
+        const bool va = (pair ? warp : ra) < h.w, vb = pair ? va : rb < h.w;
+        const bool vc = RG > 1 && !pair && ra + R2 < h.w, vd = RG > 1 && !pair && rb + R2 < h.w;
+        const int lane = h.x >> 2;
+        const int r0 = h.z + ra, r1 = h.z + rb;
+        // epilogue inputs of the row group, read with its first slice and used after its last (a
+        // load's round trip grows with the bytes the ring has in flight: stream probe round 6)
+        const u16* bias = (const u16*)sg[SEG_BIAS];
+        const float* res = (const float*)sg[SEG_RES];
+        if ((g.z & IT_FIRST) && !pair && ln == 0 && va) {
+            if (bias) {
+                const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]);
+                if (vc) { b2 = bf2f(bb[r0 + R2]); if (vd) b3 = bf2f(bb[r1 + R2]); }
+            }
+            if (res) {
+                const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1);
+                if (vc) { e2 = ldf(rr + r0 + R2); if (vd) e3 = ldf(rr + r1 + R2); }
+            }
+        }
+        if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; if (RG > 1) { acc2 = 0.f; acc3 = 0.f; } }
+        if (va) {
+            const int n8 = g.y >> 3;
+            const uint4* wa = (const uint4*)ring_slot(q) + ra * n8;
+            const uint4* wb = vb ? (const uint4*)ring_slot(q) + rb * n8 : wa;
+            const float4* xl = (const float4*)(xs + g.w) + (g.x >> 3);
+            const float4* xh = (const float4*)(xs + g.w + (K >> 1)) + (g.x >> 3);
+            // RG = 2: the second pair's rows (a row past the item reads row ra again, unwritten)
+            const uint4* wc = vc ? wa + R2 * n8 : wa;
+            const uint4* wd = vd ? wb + R2 * n8 : wa;
+#pragma unroll (RG > 1 ? WIDE_UNROLL : MV_UNROLL)
+            for (int i = ln; i < n8; i += 32) {
+                const uint4 a = wa[i], b = DEBUG_DOT == 2 ? a : wb[i];
+                const float4 lo = DEBUG_DOT == 1 ? make_float4(1.f, 1.f, 1.f, 1.f) : xl[i];
+                const float4 hi = DEBUG_DOT == 1 ? make_float4(1.f, 1.f, 1.f, 1.f) : xh[i];
+                acc0 = dot8s(a, lo, hi, acc0);
+                if (DEBUG_DOT == 2) acc1 = acc0; else acc1 = dot8s(b, lo, hi, acc1);
+                if (RG > 1) { const uint4 cw = wc[i], dw = wd[i]; acc2 = dot8s(cw, lo, hi, acc2); acc3 = dot8s(dw, lo, hi, acc3); }
+            }
+        }
+        // every consumer thread releases the slot itself: an arrive orders only its own thread's
+        // reads before the next bulk copy into the slot (a warp-level sync + one arrive does not)
+        mbar_arrive(&empty_bar[slot]);
+        if (!(g.z & IT_LAST)) continue;
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (RG > 1) { acc2 = warp_sum(acc2); acc3 = warp_sum(acc3); }
+        if (ln != 0 || !va) continue;
+#if DEFER_NORM
+        if (mode & IN_NORM) {  // the deferred norm: d of this row group's input row (its lane)
+            const float* pss = s_normsq + (lane - lane0) * NW;
+            float tot = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) tot += pss[w];
+            const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));
+            acc0 = __fdiv_rn(acc0, d);
+            acc1 = __fdiv_rn(acc1, d);
+            if (RG > 1) { acc2 = __fdiv_rn(acc2, d); acc3 = __fdiv_rn(acc3, d); }
+        }
+#endif
+        float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
+        if ((flags & MVF_LOGITS) && c.logits_mode)
+            out = c.logits_all + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
+        if (pair) {
+            const float hv = acc0 / (1.0f + expf(-acc0)) * acc1;
+            out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
+            continue;
+        }
+        float y0 = acc0, y1 = acc1;
+        if (bias) { y0 += b0; if (vb) y1 += b1; }
+        if (res) { y0 += e0; if (vb) y1 += e1; }
+        out[r0] = y0;
+        if (vb) out[r1] = y1;
+        if (flags & MVF_ARGMAX) {  // NaN never wins; ties go to the lower index
+            if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
+            if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
+        }
+        if (RG > 1 && vc) {  // the second pair
+            float y2 = acc2, y3 = acc3;
+            if (bias) { y2 += b2; if (vd) y3 += b3; }
+            if (res) { y2 += e2; if (vd) y3 += e3; }
+            out[r0 + R2] = y2;
+            if (vd) out[r1 + R2] = y3;
+            if (flags & MVF_ARGMAX) {
+                if (y2 > best || (y2 == best && r0 + R2 < bidx)) { best = y2; bidx = r0 + R2; }
+                if (vd && (y3 > best || (y3 == best && r1 + R2 < bidx))) { best = y3; bidx = r1 + R2; }
+            }
+        }
+    }
+#ifdef TRACE
+    if (c.tr && threadIdx.x == 0) c.tr[8] = twait;
+#endif
+}
+
+// A matvec stage: the norm weights preloaded, the wait, the input row, the items, then the LM
+// head's (max, index) partial or the fused DTP residual's tail pass.
 // Item headers come with the data (slot_hdr) and the block's share from c.blk (shared memory):
 // no global read but the input (and the norm weights, read before the wait) on the critical path.
 __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 wtarget) {
@@ -357,12 +576,25 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             }
         }
         if (NORM_SMEM && nws) cp_commit();
+#if LANES_LOAD
+        // the later lanes' norm weights, which mv_load_x_lanes loads after the wait: asked of L2
+        // now (session 15: with them missing L2, a two-lane block's batch took 2.7 us against 1.2)
+        const i64 nwl = st[MV_NORM_WL];
+        if (tid == 0 && nl > 1 && nwl > 0 && (nwl & 7) == 0) prefetch_l2(nw + nwl, (u32)((nl - 1) * nwl * 2));  // 16-byte units
+#endif
     }
 
     wait_counter(wctr, wtarget);
     TMARK(c, 1);
     write_embedding(c);
     const int nload = (c.skipmask >> 7) & 1 ? 0 : nl;  // benchmark bit 7: no input loads (garbage x)
+#if LANES_LOAD
+    // several lanes' rows in one batch (plain or deferred-norm input that fits XV float4s a thread)
+    const bool one_batch = nl > 1 && nl * K4 <= XV * NT && (K4 & 31) == 0 && !TAG_DOWN && !X_CPASYNC
+                           && !(mode & (IN_ATTN | IN_EMBED)) && (DEFER_NORM || !(mode & IN_NORM));
+    if (one_batch && nload) mv_load_x_lanes(c, nl, xs, nws);
+    else
+#endif
     for (int l = 0; l < nload; ++l) {
         if (mode & IN_ATTN) {
             mv_load_attn(c, lane0 + l, xs + l * K, xs + nl * K);
@@ -374,94 +606,14 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
     csync();
     TMARK(c, 2);
 
-#ifdef TRACE
-    u64 twait = 0;
-#endif
     float best = -__int_as_float(0x7f800000);
     int bidx = 0x7fffffff;
-    float acc0 = 0.f, acc1 = 0.f;
-    float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane 0)
-    for (int j = 0; j < nitems; ++j, ++q) {
-        const u32 slot = q % NSLOTS;
-#ifdef TRACE
-        const u64 tw = c.tr ? gtimer() : 0;
+#if WIDE_ITEMS
+    if (flags & MVF_WIDE) mv_items<2>(c, q, st, nitems, lane0, K, flags, mode, xs, best, bidx);
+    else
 #endif
-        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
-#ifdef TRACE
-        if (c.tr) twait += gtimer() - tw;
-#endif
-        const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
-        const i64* sg = seg(st, h.x & 3);
-        const bool pair = sg[SEG_W2] != 0;
-        const int ra = pair ? warp : 2 * warp;            // row indices within the item
-        const int rb = pair ? h.w + warp : ra + 1;
-        const bool va = (pair ? warp : ra) < h.w, vb = pair ? va : rb < h.w;
-        const int lane = h.x >> 2;
-        const int r0 = h.z + ra, r1 = h.z + rb;
-        // epilogue inputs of the row group, read with its first slice and used after its last (a
-        // load's round trip grows with the bytes the ring has in flight: stream probe round 6)
-        const u16* bias = (const u16*)sg[SEG_BIAS];
-        const float* res = (const float*)sg[SEG_RES];
-        if ((g.z & IT_FIRST) && !pair && ln == 0 && va) {
-            if (bias) { const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]); }
-            if (res) { const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
-        }
-        if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; }
-        if (va) {
-            const int n8 = g.y >> 3;
-            const uint4* wa = (const uint4*)ring_slot(q) + ra * n8;
-            const uint4* wb = vb ? (const uint4*)ring_slot(q) + rb * n8 : wa;
-            const float4* xl = (const float4*)(xs + g.w) + (g.x >> 3);
-            const float4* xh = (const float4*)(xs + g.w + (K >> 1)) + (g.x >> 3);
-#pragma unroll 4
-            for (int i = ln; i < n8; i += 32) {
-                const uint4 a = wa[i], b = DEBUG_DOT == 2 ? a : wb[i];
-                const float4 lo = DEBUG_DOT == 1 ? make_float4(1.f, 1.f, 1.f, 1.f) : xl[i];
-                const float4 hi = DEBUG_DOT == 1 ? make_float4(1.f, 1.f, 1.f, 1.f) : xh[i];
-                acc0 = dot8s(a, lo, hi, acc0);
-                if (DEBUG_DOT == 2) acc1 = acc0; else acc1 = dot8s(b, lo, hi, acc1);
-            }
-        }
-        // every consumer thread releases the slot itself: an arrive orders only its own thread's
-        // reads before the next bulk copy into the slot (a warp-level sync + one arrive does not)
-        mbar_arrive(&empty_bar[slot]);
-        if (!(g.z & IT_LAST)) continue;
-        acc0 = warp_sum(acc0);
-        acc1 = warp_sum(acc1);
-        if (ln != 0 || !va) continue;
-#if DEFER_NORM
-        if (mode & IN_NORM) {  // the deferred norm: d of this row group's input row (its lane)
-            const float* pss = s_normsq + (lane - lane0) * NW;
-            float tot = 0.f;
-#pragma unroll
-            for (int w = 0; w < NW; ++w) tot += pss[w];
-            const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));
-            acc0 = __fdiv_rn(acc0, d);
-            acc1 = __fdiv_rn(acc1, d);
-        }
-#endif
-        float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
-        if ((flags & MVF_LOGITS) && c.logits_mode)
-            out = c.logits_all + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
-        if (pair) {
-            const float hv = acc0 / (1.0f + expf(-acc0)) * acc1;
-            out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
-            continue;
-        }
-        float y0 = acc0, y1 = acc1;
-        if (bias) { y0 += b0; if (vb) y1 += b1; }
-        if (res) { y0 += e0; if (vb) y1 += e1; }
-        out[r0] = y0;
-        if (vb) out[r1] = y1;
-        if (flags & MVF_ARGMAX) {  // NaN never wins; ties go to the lower index
-            if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
-            if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
-        }
-    }
+    mv_items<1>(c, q, st, nitems, lane0, K, flags, mode, xs, best, bidx);
     q_io = q;
-#ifdef TRACE
-    if (c.tr && tid == 0) c.tr[8] = twait;
-#endif
     if (flags & MVF_ARGMAX) {  // one (max, index) partial per block
         if (ln == 0) { s_best[warp] = best; s_bidx[warp] = bidx; }
         csync();
