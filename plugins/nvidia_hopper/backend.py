@@ -232,8 +232,8 @@ class HopperBackend(KernelBackend):
         # matvec.cuh NORM_SMEM (default since v17, +0.5%): the norm weights a stage preloads before
         # its wait go to shared memory by cp.async instead of local memory
         self.norm_smem = _env_int("KOG_HOPPER_NORM_SMEM", 1, lo=0, hi=1)
-        # items of two row groups where a row group fills at most half a slot (matvec.cuh
-        # WIDE_ITEMS; laneformer-2b's o_proj, K = 384). Not with KOG_HOPPER_ITEM_ROWS
+        # items of 4 rows a warp where 2 a warp at full K fill at most half a slot (matvec.cuh
+        # WIDE_ITEMS; laneformer-2b's o_proj, K = 384; session 15: +2.3%). Not with KOG_HOPPER_ITEM_ROWS
         wide = _env_int("KOG_HOPPER_WIDE_ITEMS", 1, lo=0, hi=1) == 1 and item_rows is None
         # rows dealt lane by lane (a block spans at most two lanes), with 16 weight rows of cost counted
         # at each change of lane, so a block that loads two lanes' input rows takes fewer weights
@@ -386,7 +386,7 @@ class HopperBackend(KernelBackend):
         chunk weights when its loader combines the attention's chunks, matvec.cuh mv_load_attn).
         KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
         into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
-        notes, session 4). wide: stages whose rows are short take items of two row groups
+        notes, session 4). wide: stages whose rows are short take items of 4 rows a warp
         (schedule.wide_items; their MV_FLAGS get MVF_WIDE). Returns (slot bytes, {stage: plan},
         scratch bytes)."""
         mv = [si for si, st in enumerate(stages) if st.type == "matvec"]

@@ -570,11 +570,12 @@ MAX_SLOTS = 16
 def _deal_rows(st: Stage, nb: int):
     """Rows of every (segment, lane) dealt to the blocks in contiguous ranges of equal bytes:
     yields (segment, lane, rows, pair, block, first row, end row) for every non-empty range.
-    st.f["_lane_major"] (KOG_HOPPER_LANE_MAJOR, an experiment): the runs go lane by lane (every
-    segment of lane 0, then of lane 1, ...), so a block spans at most two lanes and only at the
-    lane changes (laneformer-2b's q/k/v: 7 blocks with two lanes instead of 20), and st.f["_lane_pad"]
-    (KOG_HOPPER_LANE_PAD_ROWS) weight rows of cost are counted at every change of lane, so a block
-    that loads two lanes' input rows gets fewer weight rows."""
+    st.f["_lane_major"] (KOG_HOPPER_LANE_MAJOR, the backend's default since session 15): the runs
+    go lane by lane (every segment of lane 0, then of lane 1, ...), so a block spans at most two
+    lanes and only at the lane changes (laneformer-2b's q/k/v: 4 blocks with two lanes instead of
+    20), and st.f["_lane_pad"] (KOG_HOPPER_LANE_PAD_ROWS, 16) weight rows of cost are counted at
+    every change of lane, so a block that loads two lanes' input rows gets fewer weight rows.
+    Without lanes both orders are the same."""
     runs = []  # (segment, lane, rows, pair)
     if st.f.get("_lane_major"):
         for lane in range(max(sg["lanes"] for sg in st.segs)):
@@ -635,6 +636,8 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     producer moves it with a single bulk copy.
     Returns (int32 plan, bytes of x scratch). Layout: see stream.cuh (an item's header)."""
     K = int(st.f["MV_K"])
+    if wide and any(sg["SEG_W2"] for sg in st.segs):
+        raise ValueError("stream_plan: a stage with a gate/up pair cannot take wide items (wide_items)")
     max_rows = max_rows or 2 * nw * (WIDE_GROUPS if wide else 1)
     per_block: list[list[tuple]] = [[] for _ in range(nb)]
     for si, lane, n, pair, b, r0, r1 in _deal_rows(st, nb):
