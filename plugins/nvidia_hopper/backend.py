@@ -405,7 +405,8 @@ class HopperBackend(KernelBackend):
         plans = {}
         for si in mv:
             w = wide and S.wide_items(stages[si], self.nw, slot_bytes)
-            stages[si].f["MV_FLAGS"] = int(stages[si].f["MV_FLAGS"]) & ~S.CONSTS["MVF_WIDE"] | (S.CONSTS["MVF_WIDE"] if w else 0)
+            flags = int(stages[si].f["MV_FLAGS"]) & ~S.CONSTS["MVF_WIDE"]  # (a second call may turn it off)
+            stages[si].f["MV_FLAGS"] = flags | S.CONSTS["MVF_WIDE"] if w else flags
             plans[si] = S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows, self.kalign, wide=w)[0]
         return slot_bytes, plans, scratch
 

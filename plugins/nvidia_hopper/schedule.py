@@ -576,16 +576,10 @@ def _deal_rows(st: Stage, nb: int):
     20), and st.f["_lane_pad"] (KOG_HOPPER_LANE_PAD_ROWS, 16) weight rows of cost are counted at
     every change of lane, so a block that loads two lanes' input rows gets fewer weight rows.
     Without lanes both orders are the same."""
-    runs = []  # (segment, lane, rows, pair)
+    runs = [(si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"]))  # (segment, lane, rows, pair)
+            for si, sg in enumerate(st.segs) for lane in range(sg["lanes"])]
     if st.f.get("_lane_major"):
-        for lane in range(max(sg["lanes"] for sg in st.segs)):
-            for si, sg in enumerate(st.segs):
-                if lane < sg["lanes"]:
-                    runs.append((si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"])))
-    else:
-        for si, sg in enumerate(st.segs):
-            for lane in range(sg["lanes"]):
-                runs.append((si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"])))
+        runs.sort(key=lambda run: run[1])  # stable: each lane's segments stay in order
     pad = int(st.f.get("_lane_pad", 0)) if st.f.get("_lane_major") else 0
     pads = [pad if i and runs[i][1] != runs[i - 1][1] else 0 for i in range(len(runs))]
     total = sum(n * (2 if pair else 1) for _, _, n, pair in runs) + sum(pads)  # weight rows
