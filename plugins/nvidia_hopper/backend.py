@@ -235,12 +235,12 @@ class HopperBackend(KernelBackend):
         # items of 4 rows a warp where 2 a warp at full K fill at most half a slot (matvec.cuh
         # WIDE_ITEMS; laneformer-2b's o_proj, K = 384; session 15: +2.3%). Not with KOG_HOPPER_ITEM_ROWS
         wide = _env_int("KOG_HOPPER_WIDE_ITEMS", 1, lo=0, hi=1) == 1 and item_rows is None
-        # rows dealt lane by lane (a block spans at most two lanes), with 16 weight rows of cost counted
+        # rows dealt lane by lane (a block spans at most two lanes), with 24 weight rows of cost counted
         # at each change of lane, so a block that loads two lanes' input rows takes fewer weights
-        # (schedule._deal_rows; session 15: +0.9% on laneformer-2b, pads 0 / 8 / 16 +0.3 / +0.6 / +0.9%).
-        # A model without lanes gets the same plan either way
+        # (schedule._deal_rows; session 15: +0.9% on laneformer-2b, pads 0 / 8 / 16 +0.3 / +0.6 / +0.9%;
+        # session 16: 24 +0.15% over 16, 32 level). A model without lanes gets the same plan either way
         lane_major = _env_int("KOG_HOPPER_LANE_MAJOR", 1, lo=0, hi=1)
-        lane_pad = _env_int("KOG_HOPPER_LANE_PAD_ROWS", 16, lo=0, hi=64)
+        lane_pad = _env_int("KOG_HOPPER_LANE_PAD_ROWS", 24, lo=0, hi=64)
         for st in stages:
             if st.type == "matvec" and lane_major:
                 st.f["_lane_major"], st.f["_lane_pad"] = 1, lane_pad
@@ -278,7 +278,9 @@ class HopperBackend(KernelBackend):
         self.nst = len(stages)
         self.d_counters = self._alloc(self.nst * 4)
         # the weight ring takes the shared memory the stages leave, up to KOG_HOPPER_SLOTS slots
-        max_slots = _env_int("KOG_HOPPER_SLOTS", S.MAX_SLOTS, lo=2, hi=S.MAX_SLOTS)
+        # 5 slots by default (session 16, same calls, against 6: laneformer-2b +0.55%, llama-3.2-1b
+        # +0.17%, bench-2b +0.15%; 4: bench-2b -0.6%): fewer copies queued in front of every load
+        max_slots = _env_int("KOG_HOPPER_SLOTS", S.DEFAULT_SLOTS, lo=2, hi=S.MAX_SLOTS)
         nslots = min(max_slots, (self.max_smem - S.STATIC_SMEM - scratch) // slot_bytes)
         if nslots < 2:
             raise CapabilityError(f"nvidia_hopper: the stages need {scratch} bytes of shared memory, leaving no "
@@ -386,7 +388,7 @@ class HopperBackend(KernelBackend):
         chunk weights when its loader combines the attention's chunks, matvec.cuh mv_load_attn).
         KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
         into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
-        notes, session 4). wide: stages whose rows are short take items of 4 rows a warp
+        notes, session 4), of which the ring then uses KOG_HOPPER_SLOTS (default 5: session 16). wide: stages whose rows are short take items of 4 rows a warp
         (schedule.wide_items; their MV_FLAGS get MVF_WIDE). Returns (slot bytes, {stage: plan},
         scratch bytes)."""
         mv = [si for si, st in enumerate(stages) if st.type == "matvec"]
@@ -578,12 +580,13 @@ class HopperBackend(KernelBackend):
         check(drv.cuEventSynchronize(e1))
         return check(drv.cuEventElapsedTime(e0, e1)) / 1e3
 
-    def bench_breakdown(self, prompt_ids, n_tokens) -> dict:
+    def bench_breakdown(self, prompt_ids, n_tokens, variants: dict | None = None) -> dict:
         """Per-token time (us) of variants that leave stage kinds out (outputs are garbage then).
-        The differences say where the time goes; 'sync only' is the skeleton of waits/signals."""
+        The differences say where the time goes; 'sync only' is the skeleton of waits/signals.
+        `variants`: {name: skip mask} to time instead of the standard set."""
         prompt = [int(t) for t in prompt_ids]
         steps = len(prompt) + n_tokens - 1
-        variants = {"full": 0, "no attention": 1 << 2, "no LM head": 1 << 5, "no layer matvecs": 1 << 1,
+        variants = variants or {"full": 0, "no attention": 1 << 2, "no LM head": 1 << 5, "no layer matvecs": 1 << 1,
                     "no elementwise": 1 << 3, "sync only (no matvec/attention/LM head)": (1 << 1) | (1 << 2) | (1 << 3) | (1 << 5),
                     "stream only (no waits between stages)": 1 << 6,
                     "weights only (no waits, input loads, attention)": (1 << 6) | (1 << 7) | (1 << 2),

@@ -56,7 +56,7 @@ def load_preset(preset, context):
     return prog, hb
 
 
-def run(preset, tokens, context, breakdown=True):
+def run(preset, tokens, context, breakdown=True, masks=()):
     from kog_core.interfaces import SamplingParams, StopCriteria
     t0 = time.time()
     prog, hb = load_preset(preset, context)
@@ -87,6 +87,8 @@ def run(preset, tokens, context, breakdown=True):
                variant=hb.variant)
     if breakdown:
         res["breakdown"] = hb.bench_breakdown(prompt, tokens) if hasattr(hb, "bench_breakdown") else None
+    if masks:  # the developer's own skip masks (backend.bench_breakdown's bits), us/token each
+        res["masks"] = hb.bench_breakdown(prompt, tokens, {f"mask {m:#x}": m for m in masks})
     hb.close()
     return res
 
@@ -99,10 +101,13 @@ def main():
     ap.add_argument("--peer", default=None, help="path of torch_peer.py: run it for the same presets")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--masks", default="", help="comma-separated skip masks to time (backend.bench_breakdown's "
+                    "bits: 0x40 no waits, 0x80 no input loads, 0x4 no attention, ...)")
     a = ap.parse_args()
     results = []
     for p in a.preset or ["bench-2b"]:
-        r = run(p, a.tokens, a.context, breakdown=not a.no_breakdown)
+        masks = [int(m, 0) for m in a.masks.split(",") if m.strip()]
+        r = run(p, a.tokens, a.context, breakdown=not a.no_breakdown, masks=masks)
         r['env'] = {k: v for k, v in os.environ.items() if k.startswith('KOG_HOPPER_')}
         print(json.dumps(r), flush=True)
         if a.peer:

@@ -6,6 +6,8 @@
 #   check      selfcheck, then the GPU tests (SmolLM2 too when both GGUF halves are there)
 #   bench      `kog bench` for the three presets (MODELS), default build, with the breakdown (BENCH_ARGS:
 #              more `kog bench` arguments, e.g. "--temperature 1 --top-p 0.9"; LOGTAG: a log name prefix)
+#   masks      per-token time under the breakdown's skip masks (MASKS: comma-separated, e.g. 0x40,0xc0;
+#              MMODEL: the preset, default bench-2b), default build
 #   variants   bench-2b under tuning variants (VARIANTS: KOG_HOPPER_* settings, comma-joined per variant)
 #   peer       the torch peer (.devcarry/torch_peer.py) for the same shapes
 #   sanitize   compute-sanitizer memcheck and racecheck on the selfcheck model (SAN_K: on the GPU tests
@@ -53,6 +55,10 @@ bench)
     timeout 120 python3 -m kog_core.cli bench --backend nvidia_hopper --model $m --random-weights --context-length 4096 ${BENCH_ARGS:-} > $OUT/kb_${LOGTAG:-}$m.log 2>&1
     echo "== $m rc=$?"; grep -E "^(decode|bandwidth|prefill|kernel)|us/token|Error|error" $OUT/kb_${LOGTAG:-}$m.log | cut -c1-200
   done ;;
+masks)
+  export PYTHONPATH=${SITE:-/tmp/site}
+  timeout 150 python3 -m kog_nvidia_hopper.bench --preset ${MMODEL:-bench-2b} --tokens 512 --no-breakdown --masks "${MASKS:-0x40,0xc0,0x44,0xc4}" > $OUT/masks_${MMODEL:-bench-2b}.log 2>&1
+  echo "== masks ${MMODEL:-bench-2b} rc=$?"; python3 -c "import json,sys; r=json.loads([l for l in open(sys.argv[1]) if l.startswith('{')][-1]); print(r['tok_s'], r['masks'])" $OUT/masks_${MMODEL:-bench-2b}.log 2>&1 | cut -c1-400 ;;
 variants)
   export PYTHONPATH=${SITE:-/tmp/site}
   for v in ${VARIANTS:-"KOG_HOPPER_SLOT_KB=16" "KOG_HOPPER_ITEM_ROWS=16" "KOG_HOPPER_SLOT_KB=48"}; do

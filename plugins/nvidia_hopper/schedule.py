@@ -565,6 +565,7 @@ def _finish(P, stages):
 
 STATIC_SMEM = 8192      # the kernel's static shared memory (reductions, mbarriers: ~4.5 KB), rounded up
 MAX_SLOTS = 16
+DEFAULT_SLOTS = 5  # the ring's slots unless KOG_HOPPER_SLOTS says otherwise (backend.load)
 
 
 def _deal_rows(st: Stage, nb: int):
@@ -573,7 +574,7 @@ def _deal_rows(st: Stage, nb: int):
     st.f["_lane_major"] (KOG_HOPPER_LANE_MAJOR, the backend's default since session 15): the runs
     go lane by lane (every segment of lane 0, then of lane 1, ...), so a block spans at most two
     lanes and only at the lane changes (laneformer-2b's q/k/v: 4 blocks with two lanes instead of
-    20), and st.f["_lane_pad"] (KOG_HOPPER_LANE_PAD_ROWS, 16) weight rows of cost are counted at
+    20), and st.f["_lane_pad"] (KOG_HOPPER_LANE_PAD_ROWS, 24) weight rows of cost are counted at
     every change of lane, so a block that loads two lanes' input rows gets fewer weight rows.
     Without lanes both orders are the same."""
     runs = [(si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"]))  # (segment, lane, rows, pair)

@@ -116,6 +116,15 @@ __device__ __forceinline__ float div_by(float x, float d, float r) {
     return fmaf(fmaf(-q, d, x), r, q);
 }
 
+// A float4's squares added to ss in x, y, z, w order (every loader sums in this order), and a float4
+// times 4 bf16 norm weights.
+__device__ __forceinline__ float add_sq4(const float4& v, float ss) {
+    ss = fmaf(v.x, v.x, ss); ss = fmaf(v.y, v.y, ss); ss = fmaf(v.z, v.z, ss); return fmaf(v.w, v.w, ss);
+}
+__device__ __forceinline__ void mul_w4(float4& v, uint2 w) {
+    v.x *= bf_lo(w.x); v.y *= bf_hi(w.x); v.z *= bf_lo(w.y); v.w *= bf_hi(w.y);
+}
+
 // The norm weights of float4 i of the row (batch slot u): from this thread's shared-memory copies
 // (NORM_SMEM), its preloaded registers (wpre, the first batch only), or global memory.
 __device__ __forceinline__ uint2 norm_w4(const u16* nws, const uint2* wpre, const u16* nw, int i, int u) {
@@ -148,8 +157,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
         cp_wait_all();
         if (mode & IN_NORM)
             for (int i = tid; i < K4; i += NT) {  // the same order of additions as the register path
-                const float4 v = *x_f4(x, K, i);
-                ss = fmaf(v.x, v.x, ss); ss = fmaf(v.y, v.y, ss); ss = fmaf(v.z, v.z, ss); ss = fmaf(v.w, v.w, ss);
+                ss = add_sq4(*x_f4(x, K, i), ss);
             }
     } else {  // the register path: XV float4 per thread in flight, then stored
         for (int base = 0; base < K4; base += XV * NT) {
@@ -172,12 +180,8 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
                 if (i < K4) {
-                    ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
-                    ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
-                    if (defer) {  // x * w now, the division by d in the epilogue
-                        const uint2 w = norm_w4(nws, wpre, nw, i, u);
-                        v[u].x *= bf_lo(w.x); v[u].y *= bf_hi(w.x); v[u].z *= bf_lo(w.y); v[u].w *= bf_hi(w.y);
-                    }
+                    ss = add_sq4(v[u], ss);
+                    if (defer) mul_w4(v[u], norm_w4(nws, wpre, nw, i, u));  // x * w now, the division by d in the epilogue
                     *x_f4(x, K, i) = v[u];
                 }
             }
@@ -239,8 +243,9 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
 // laneformer-2b the 20 of 132 q/k/v blocks with two lanes loaded in 2.73 us against 1.32 and
 // finished 1.9 us after the median block, most of the stage's spread. Measured +0.7% alone, +0.3%
 // with the wide items; normed loads of two lanes still take ~2.7 us (twice the bytes through the
-// SM's ingress while its ring streams, likely), so such blocks are also dealt fewer rows
-// (schedule._deal_rows, KOG_HOPPER_LANE_PAD_ROWS).
+// SM's ingress while its ring streams, likely; an L2 prefetch of the later lanes' norm weights
+// before the wait changed nothing, session 15, and is gone), so such blocks are also dealt fewer
+// rows (schedule._deal_rows, KOG_HOPPER_LANE_PAD_ROWS).
 #ifndef LANES_LOAD
 #define LANES_LOAD 0
 #endif
@@ -291,10 +296,8 @@ __device__ __forceinline__ void mv_load_x_lanes(const Ctx& c, int nl, float* xs,
                     cur = l;
                 }
 #endif
-                ss = fmaf(v[u].x, v[u].x, ss); ss = fmaf(v[u].y, v[u].y, ss);
-                ss = fmaf(v[u].z, v[u].z, ss); ss = fmaf(v[u].w, v[u].w, ss);
-                const uint2 ww = (nws && l == 0) ? *(const uint2*)(nws + 4 * i) : w[u];
-                v[u].x *= bf_lo(ww.x); v[u].y *= bf_hi(ww.x); v[u].z *= bf_lo(ww.y); v[u].w *= bf_hi(ww.y);
+                ss = add_sq4(v[u], ss);
+                mul_w4(v[u], (nws && l == 0) ? *(const uint2*)(nws + 4 * i) : w[u]);
             }
             *x_f4(xs + l * K, K, i) = v[u];
         }
@@ -415,11 +418,27 @@ __device__ __noinline__ void lane_residual_tail(const float* fresh, float* x, co
 #ifndef WIDE_UNROLL
 #define WIDE_UNROLL 1
 #endif
-// The other stages' loop unroll (an experiment's handle: KOG_HOPPER_DEFINES=MV_UNROLL=n; the wide
-// loop's unroll of 1 beat 2 on o_proj, unmeasured here)
+// The other stages' loop unroll (KOG_HOPPER_DEFINES=MV_UNROLL=n to try others): 1, as the wide
+// loop's. Session 16, same call: 4 / 2 / 1 gave bench-2b 753.0 / 746.0 / 754.2 tok/s, laneformer-2b
+// 739.7 / 739.2 / 742.7 (a k-slice is 1-3 steps of the loop a lane: unrolled copies only add code)
 #ifndef MV_UNROLL
-#define MV_UNROLL 4
+#define MV_UNROLL 1
 #endif
+
+// Rows r0 and (if vb) r1 of a row group, done: bias and residual added, written, and the LM head's
+// running (max, index) updated (NaN never wins; ties go to the lower index).
+__device__ __forceinline__ void mv_emit_pair(float* out, int r0, int r1, bool vb, float y0, float y1,
+                                             float b0, float b1, float e0, float e1, const void* bias, const void* res,
+                                             int flags, float& best, int& bidx) {
+    if (bias) { y0 += b0; if (vb) y1 += b1; }
+    if (res) { y0 += e0; if (vb) y1 += e1; }
+    out[r0] = y0;
+    if (vb) out[r1] = y1;
+    if (flags & MVF_ARGMAX) {
+        if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
+        if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
+    }
+}
 
 // Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
 // the item's k-slices in registers (a row group's slices are consecutive items of one block), and
@@ -518,26 +537,9 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
             out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
             continue;
         }
-        float y0 = acc0, y1 = acc1;
-        if (bias) { y0 += b0; if (vb) y1 += b1; }
-        if (res) { y0 += e0; if (vb) y1 += e1; }
-        out[r0] = y0;
-        if (vb) out[r1] = y1;
-        if (flags & MVF_ARGMAX) {  // NaN never wins; ties go to the lower index
-            if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
-            if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
-        }
-        if (RG > 1 && vc) {  // the second pair
-            float y2 = acc2, y3 = acc3;
-            if (bias) { y2 += b2; if (vd) y3 += b3; }
-            if (res) { y2 += e2; if (vd) y3 += e3; }
-            out[r0 + R2] = y2;
-            if (vd) out[r1 + R2] = y3;
-            if (flags & MVF_ARGMAX) {
-                if (y2 > best || (y2 == best && r0 + R2 < bidx)) { best = y2; bidx = r0 + R2; }
-                if (vd && (y3 > best || (y3 == best && r1 + R2 < bidx))) { best = y3; bidx = r1 + R2; }
-            }
-        }
+        mv_emit_pair(out, r0, r1, vb, acc0, acc1, b0, b1, e0, e1, bias, res, flags, best, bidx);
+        if (RG > 1 && vc)  // the second pair
+            mv_emit_pair(out, r0 + R2, r1 + R2, vd, acc2, acc3, b2, b3, e2, e3, bias, res, flags, best, bidx);
     }
 #ifdef TRACE
     if (c.tr && threadIdx.x == 0) c.tr[8] = twait;
@@ -576,12 +578,6 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             }
         }
         if (NORM_SMEM && nws) cp_commit();
-#if LANES_LOAD
-        // the later lanes' norm weights, which mv_load_x_lanes loads after the wait: asked of L2
-        // now (session 15: with them missing L2, a two-lane block's batch took 2.7 us against 1.2)
-        const i64 nwl = st[MV_NORM_WL];
-        if (tid == 0 && nl > 1 && nwl > 0 && (nwl & 7) == 0) prefetch_l2(nw + nwl, (u32)((nl - 1) * nwl * 2));  // 16-byte units
-#endif
     }
 
     wait_counter(wctr, wtarget);
