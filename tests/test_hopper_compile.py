@@ -418,6 +418,21 @@ def test_trace_summary_reads_a_synthetic_trace():
     assert all("release: signal warp +0.20, fence 0.70; waited 0.10 after the last fence" in line for line in lines[1:5])
     assert "release" not in "\n".join(summarize(tr[..., :29], ["matvec[a]", "attn[attention]", "matvec[b]", "sample[sample]"]))
     assert "most often last SM" in lines[-1] and "4x" in lines[-1]
+    # with the stages' weight bytes: the rate over the median block's work (2.7 us) by stage kind
+    lines = summarize(tr, ["matvec[a]", "attn[attention]", "matvec[b]", "sample[sample]"], [2_700_000, 0, 5_400_000, 0])
+    kinds = {ln.split()[0]: ln.split() for ln in lines if ln.startswith("  ")}
+    assert "weights TB/s over the work" in "\n".join(lines)
+    assert kinds["matvec[a]"][-1] == "1.00" and kinds["matvec[b]"][-1] == "2.00" and len(kinds["attn[attention]"]) == 7
+
+
+def test_stage_weight_bytes_are_the_models_matvec_weights():
+    """trace.stage_weight_bytes over bench-2b's stages: its matvec weights (all but the norms' and the
+    embedding's few MB of the program's bytes a token), the gate/up pairs counted twice."""
+    from kog_nvidia_hopper.trace import stage_weight_bytes
+    stages = _bench2b_stages_as_loaded()
+    total = sum(stage_weight_bytes(st) for st in stages)
+    assert 0 < _bench2b_program().weight_bytes_per_token("bf16") - total < 1e6
+    assert all(stage_weight_bytes(st) == 0 for st in stages if st.type != "matvec")
 
 
 def test_twelve_consumer_warps_compile_at_128_registers():

@@ -14,7 +14,15 @@ import os
 import numpy as np
 
 
-def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
+def stage_weight_bytes(st) -> int:
+    """bf16 weight bytes a stage streams a token (a matvec's segments, every lane; 0 otherwise)."""
+    if st.type != "matvec":
+        return 0
+    K = int(st.f["MV_K"])
+    return sum(int(sg["SEG_N"]) * int(sg.get("lanes", 1)) * K * 2 * (2 if sg.get("SEG_W2") else 1) for sg in st.segs)
+
+
+def summarize(tr: np.ndarray, labels: list[str], weight_bytes: list[int] | None = None) -> list[str]:
     """Text report of a trace [token, stage, block, 29 or 31] (ns; fields: context.cuh "trace"). Times
     are medians over the tokens.
     Per stage: chain = last block done - previous stage's last block done; lat = median block's
@@ -32,7 +40,10 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
     its release of the stage after the block's done (median), the release's fence, and how long
     after the previous stage's last fence the median block's wait ended (lat without the fences).
     A matvec stage with Laneformer's fused residual (field 20 without the sampler's 21): its tail
-    pass, from its start to the block's done, median over the blocks that have rows in it."""
+    pass, from its start to the block's done, median over the blocks that have rows in it.
+    weight_bytes (bytes a stage streams, one entry per stage): the summary by stage kind adds the
+    weights' rate over the work, TB/s (the median block's work against the stage's bytes spread
+    evenly over the blocks: a long stage's steady state, e.g. the LM head's)."""
     tr = tr.astype(np.int64)
     ntok, nst, nb, ntr = tr.shape
     rows = []
@@ -121,12 +132,17 @@ def summarize(tr: np.ndarray, labels: list[str]) -> list[str]:
         if c[39]:
             line += f"  residual tail {c[39]:.2f}"
         out.append(line)
-    by = {}
+    by, nbytes = {}, {}
     for s in range(nst):
         by[labels[s]] = by.get(labels[s], 0) + a[s, :7]
-    out.append(f"token: {a[:, 0].sum():.1f} us; by stage kind (sum of chain / lat / load / work / spread / p_stall):")
+        nbytes[labels[s]] = nbytes.get(labels[s], 0) + (weight_bytes[s] if weight_bytes else 0)
+    rate = " / weights TB/s over the work" if weight_bytes else ""
+    out.append(f"token: {a[:, 0].sum():.1f} us; by stage kind (sum of chain / lat / load / work / spread / p_stall{rate}):")
     for key, v in sorted(by.items(), key=lambda kv: -kv[1][0]):
-        out.append(f"  {key[:40]:40s} {v[0]:8.1f} {v[1]:7.1f} {v[2]:7.1f} {v[3]:8.1f} {v[4]:7.1f} {v[6]:8.1f}")
+        line = f"  {key[:40]:40s} {v[0]:8.1f} {v[1]:7.1f} {v[2]:7.1f} {v[3]:8.1f} {v[4]:7.1f} {v[6]:8.1f}"
+        if nbytes[key] and v[3] > 0:
+            line += f" {nbytes[key] / (v[3] * 1e-6) / 1e12:7.2f}"
+        out.append(line)
     last_sms = [int(r[14]) for r in np.asarray(rows)[0]]
     vals, counts = np.unique(last_sms, return_counts=True)
     out.append("most often last SM (token 0): " + ", ".join(f"{v}x{c}" for v, c in sorted(zip(vals, counts), key=lambda x: -x[1])[:5]))
@@ -164,11 +180,12 @@ def main():
         _, ttft, total = hb.generate_timed(prompt, params, StopCriteria(max_tokens=a.tokens))
     tr = hb.read_trace()
     labels = hb.stage_summary()
+    wbytes = [stage_weight_bytes(st) for st in hb.stages]
     if a.save:
-        np.savez_compressed(a.save, trace=tr, labels=np.asarray(labels))
+        np.savez_compressed(a.save, trace=tr, labels=np.asarray(labels), weight_bytes=np.asarray(wbytes))
     how = "greedy" if a.temperature <= 0 else f"temperature {a.temperature}, top-k {a.top_k}, top-p {a.top_p}"
     print(f"{a.preset}: {(a.tokens - 1) / (total - ttft):.1f} tok/s (trace build, {how}, skip {a.skip:#x}), variant {hb.variant}")
-    print("\n".join(summarize(tr, labels)))
+    print("\n".join(summarize(tr, labels, wbytes)))
     hb.close()
 
 
