@@ -519,14 +519,27 @@ def test_stream_probe_rounds_are_well_formed():
     """Every round's configurations name a known kind and only settings the launcher reads; round 9
     (instruction fetch) times the code block with every eviction size, alone and beside the ring."""
     from kog_nvidia_hopper import stream_probe as P
-    known = set(P.DECODE_RING) | {"blocks", "trace", "wrap", "lsu_kb", "evict", "unroll", "threads", "l2_first"}
-    for r in range(1, 13):
+    known = set(P.DECODE_RING) | {"blocks", "trace", "wrap", "lsu_kb", "evict", "unroll", "threads", "l2_first",
+                                  "item_kb", "short_every", "short_kb"}
+    for r in range(1, 14):
         for name, kind, settings in P.configs(round_=r):
             assert kind in ("ring", "ldg", "lat") and name.strip(), (r, name)
             assert set(settings) <= known, (r, name, set(settings) - known)
     r9 = P.configs(round_=9)
     assert sorted((k, s["evict"]) for _, k, s in r9) == [("lat", 0), ("lat", 1), ("lat", 2), ("ring", 0), ("ring", 1), ("ring", 2)]
     assert all(s["lat_kind"] == 3 for _, _, s in r9) and all(s["lat_warp"] == 1 for _, k, s in r9 if k == "ring")
+
+
+def test_stream_probe_round13_items_fit_their_slots():
+    """Round 13 (the decode kernel's 30 / 30 / 20 KB item mix): every mixed configuration's items fit
+    its slots and take one bulk copy each (the launcher refuses anything else), and the rows pair
+    6 with 5 slots."""
+    from kog_nvidia_hopper import stream_probe as P
+    r13 = P.configs(round_=13)
+    mixed = [s for _, _, s in r13 if s.get("short_every")]
+    assert len(mixed) == 4 and all(s["chunks"] == 1 and not s["ldgsts"] and not s["extra_kb"] for s in mixed)
+    assert all(max(s.get("item_kb", s["kb"]), s["short_kb"]) <= s["kb"] for s in mixed)
+    assert sorted(s["slots"] for s in mixed) == [5, 5, 6, 6]
 
 
 def test_stream_probe_round10_pairs_each_code_probe_with_its_evict_first_twin():

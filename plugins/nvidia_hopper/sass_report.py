@@ -28,9 +28,9 @@ from collections import Counter
 
 from kog_core.errors import KogError
 
-# bench-2b's default build (v22; v23 changes only Laneformer's builds): 10 consumer warps, 6 x 31
-# KB ring after 32 KB of stage scratch, the attention's shapes compiled in, the grid sampler (4
-# candidates a thread), a 128-byte ring
+# bench-2b's default build (v25): 10 consumer warps, a 5 x 31 KB ring after 32 KB of stage
+# scratch, the attention's shapes compiled in, the grid sampler (4 candidates a thread), a
+# 128-byte ring
 DEFAULT_BUILD = dict(NT=320, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, KV_BUFS=1, SIGNAL_WARP=1,
                      INLINE_ATTENTION=1, PREFETCH=0, NORM_SMEM=1, STREAM_L2_FIRST=1,
                      NORM_RCP=1, ATT_FASTDIV=1, SAMPLE_GRID=1, SAMPLE_EPT=4, SMEM_ALIGN=128, DEFER_NORM=1, SIGNAL_BAR=1,

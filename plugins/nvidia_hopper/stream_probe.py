@@ -40,7 +40,7 @@ def configs(quick: bool = False, round_: int = 1):
     if round_ != 1:
         return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6,
                 7: configs_round7, 8: configs_round8, 9: configs_round9,
-                10: configs_round10, 11: configs_round11, 12: configs_round12}[round_]()
+                10: configs_round10, 11: configs_round11, 12: configs_round12, 13: configs_round13}[round_]()
     out = []
     base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
@@ -239,6 +239,24 @@ def configs_round12():
     return out
 
 
+def configs_round13():
+    """The decode kernel's own item mix: its K = 2048 stages (bench-2b's and llama-3.2-1b's q/k/v,
+    o_proj, gate/up and LM head) cycle items of 30 / 30 / 20 KB through 31 KB slots, packed one after
+    another; its LM head streams at ~3.86 TB/s (session 16's trace), laneformer-2b's all-30 KB
+    items faster. Does the mix cost the ring ~10%, and do 5 slots (v25) or 4 x 40 KB slots
+    (KOG_HOPPER_SLOT_KB=40: K = 2048 items of 20 x 1024, all full) change it?"""
+    base = dict(DECODE_RING, l2_first=1)
+    mix = dict(base, item_kb=30, short_every=3, short_kb=20)
+    full30 = dict(base, short_every=1, short_kb=30)
+    return [("ring as decode, 6 x 31 KB items, evict-first", "ring", base),
+            ("  5 x 31 KB (v25's ring)", "ring", dict(base, slots=5)),
+            ("  6 slots, items 30 / 30 / 20 KB packed", "ring", mix),
+            ("  5 slots, items 30 / 30 / 20 KB packed", "ring", dict(mix, slots=5)),
+            ("  6 slots, items all 30 KB packed", "ring", full30),
+            ("  5 slots, items all 30 KB packed", "ring", dict(full30, slots=5)),
+            ("  4 x 40 KB slots and items", "ring", dict(base, slots=4, kb=40))]
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -266,7 +284,8 @@ def main():
                          "5: ring + register loads; 6: a load's latency while the ring streams; 7: the ring from L2; "
                          "8: consumer time per item; 9: instruction fetch; 10: the same, clock fixed, and the "
                          "ring's copies L2 evict-first; 11: instruction cache sizes; 12: item bytes "
-                         "in the same slots (several: in turn)")
+                         "in the same slots; 13: the decode kernel's item mix (30 / 30 / 20 KB), 5 slots, "
+                         "4 x 40 KB (several: in turn)")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
@@ -316,6 +335,15 @@ def main():
             slot = s["kb"] * 1024
             per_item = slot + s["extra_kb"] * 1024
             per_block = (BUFFER_BYTES // blocks) // per_item * per_item
+            short_every = s.get("short_every", 0)  # mixed item sizes (round 13), packed back to back
+            item_bytes, short_bytes = s.get("item_kb", s["kb"]) * 1024, s.get("short_kb", 0) * 1024
+            if short_every:
+                if s["chunks"] != 1 or s["ldgsts"] or s["extra_kb"] or s.get("wrap") or s["prefetch"] or s["pf_warp"]:
+                    raise SystemExit(f"{name}: mixed item sizes take one bulk copy an item and nothing else")
+                if max(item_bytes, short_bytes) > slot:
+                    raise SystemExit(f"{name}: an item is larger than its slot")
+                cycle = (short_every - 1) * item_bytes + short_bytes
+                per_block = (BUFFER_BYTES // blocks) // cycle * cycle
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint32(s["slots"]), ctypes.c_uint32(slot),
                     ctypes.c_uint32(s["chunks"]), ctypes.c_int(s["consume"]), ctypes.c_uint32(s["every"]),
                     ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s["skew"]), ctypes.c_uint32(s["prefetch"]), ctypes.c_int(s["pf_warp"]), ctypes.c_int(s["ldgsts"]),
@@ -323,7 +351,8 @@ def main():
                     ctypes.c_uint64(outp), ctypes.c_uint64(d_trace if s.get("trace") else 0), ctypes.c_uint32(ntrace),
                     ctypes.c_int(s["lat_warp"]), ctypes.c_int(s["lat_kind"]), ctypes.c_uint64(d_chase), ctypes.c_uint64(d_lat),
                     ctypes.c_uint32(s.get("wrap", 0)), ctypes.c_int(s.get("evict", 0)),
-                    ctypes.c_int(s.get("l2_first", 0))]
+                    ctypes.c_int(s.get("l2_first", 0)), ctypes.c_uint32(item_bytes), ctypes.c_uint32(short_every),
+                    ctypes.c_uint32(short_bytes)]
             f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s["ldgsts"] + s["pf_warp"] + s["lat_warp"]), s["slots"] * slot
         else:
             per_block = (BUFFER_BYTES // blocks) // 16 * 16

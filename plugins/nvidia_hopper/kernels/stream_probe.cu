@@ -104,14 +104,30 @@ __device__ __forceinline__ float code_round(float x, int evict, u64& cold, u64& 
 
 __device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1, %0;" :: "r"(n) : "memory"); }
 
+// Mixed item sizes (short_every > 0): every short_every-th item is short_bytes long, the others
+// item_bytes, packed one after another in the source as the decode kernel packs a stage's items
+// (its K = 2048 stages cycle 30 / 30 / 20 KB items through 31 KB slots). Otherwise every item fills
+// a slot, one slot's stride apart.
+__device__ __forceinline__ u64 item_off(u64 q, u32 slot_bytes, u32 item_bytes, u32 short_every, u32 short_bytes) {
+    if (!short_every) return q * slot_bytes;
+    return (q / short_every) * ((u64)(short_every - 1) * item_bytes + short_bytes) + (q % short_every) * item_bytes;
+}
+__device__ __forceinline__ u32 item_len(u64 q, u32 slot_bytes, u32 item_bytes, u32 short_every, u32 short_bytes) {
+    if (!short_every) return slot_bytes;
+    return q % short_every == short_every - 1 ? short_bytes : item_bytes;
+}
+
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
            int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, u32 lsu_bytes, u32 extra_bytes, float* out, u64* trace, u32 ntrace,
-           int lat_warp, int lat_kind, const u32* chase, u64* lat_out, u32 wrap_items, int evict, int l2_first) {
+           int lat_warp, int lat_kind, const u32* chase, u64* lat_out, u32 wrap_items, int evict, int l2_first,
+           u32 item_bytes, u32 short_every, u32 short_bytes) {
     // consumers, then the bulk producer warp, then `ldgsts` cp.async warps, then the prefetch warp, then the latency warp
     const int nc = blockDim.x - 32 - 32 * ldgsts - 32 * pf_warp - 32 * lat_warp;
     const int tid = threadIdx.x;
-    const u64 nitems = per_block / (slot_bytes + extra_bytes);
+    // (mixed sizes: the host makes per_block a whole number of cycles; no extra loads, one chunk)
+    const u64 nitems = short_every ? per_block / ((u64)(short_every - 1) * item_bytes + short_bytes) * short_every
+                                   : per_block / (slot_bytes + extra_bytes);
     // extra_bytes: with each item the consumers also load that many bytes into registers (plain
     // 16-byte loads) from the rest of the block's share: do the ring's and the loads' ceilings add?
     const uint4* extra = (const uint4*)(src + (u64)blockIdx.x * per_block + nitems * slot_bytes);
@@ -188,6 +204,15 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
             else if (prefetch && q + prefetch < nitems)  // ask L2 for an item beyond the ring: HBM keeps streaming through a pause
                 prefetch_l2(base + (q + prefetch) * slot_bytes, slot_bytes);
             if (lsu_bytes >= slot_bytes) { mbar_arrive(&full_bar[s]); continue; }
+            if (short_every) {  // one copy of this item's length
+                const u32 len = item_len(q, slot_bytes, item_bytes, short_every, short_bytes);
+                mbar_expect_tx(&full_bar[s], len);
+                unsigned char* d = probe_smem + (u64)s * slot_bytes;
+                const unsigned char* g = base + item_off(q, slot_bytes, item_bytes, short_every, short_bytes);
+                if (l2_first) bulk_copy_hint(d, g, len, &full_bar[s], pol);
+                else bulk_copy(d, g, len, &full_bar[s]);
+                continue;
+            }
             mbar_expect_tx(&full_bar[s], slot_bytes - lsu_bytes);
             for (u32 k = 0; k < chunks; ++k) {
                 unsigned char* d = probe_smem + (u64)s * slot_bytes + k * cb;
@@ -201,8 +226,8 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
         return;
     }
     float acc = 0.f;
-    const int n16 = slot_bytes / 16;
     for (u64 q = 0; q < nitems; ++q) {
+        const int n16 = item_len(q, slot_bytes, item_bytes, short_every, short_bytes) / 16;
         const u32 s = (u32)(q % nslots);
         const bool tr = trace && blockIdx.x == 0 && tid == 0 && q < ntrace;
         if (tr) trace[3 * q + 1] = gtimer();
