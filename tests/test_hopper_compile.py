@@ -425,10 +425,34 @@ def test_trace_summary_reads_a_synthetic_trace():
     assert kinds["matvec[a]"][-1] == "1.00" and kinds["matvec[b]"][-1] == "2.00" and len(kinds["attn[attention]"]) == 7
 
 
+def test_slot_search_puts_more_weight_bytes_in_flight():
+    """schedule.slot_search (KOG_HOPPER_SLOT_SEARCH): on bench-2b's stages with bench-2b's shared
+    memory it picks a slot size whose 5 slots hold more weight bytes on average than the default 31
+    KB slots (whose items fill ~80%), the build compiles for it without spills, and a budget that
+    fits no two slots is refused."""
+    from kog_nvidia_hopper import schedule as S
+    stages = _bench2b_stages_as_loaded()
+    avail = 232448 - S.STATIC_SMEM - 32768  # the H200's shared memory less the static part and the scratch
+
+    def in_flight(slot):
+        mv = [st for st in stages if st.type == "matvec"]
+        items = sum(len(S.plan_items(S.stream_plan(st, 132, 10, slot, None, 32, wide=S.wide_items(st, 10, slot))[0], 132))
+                    for st in mv)
+        return min(5, avail // slot) * sum(S.stage_weight_bytes(st) for st in mv) / items
+
+    slot = S.slot_search(stages, 132, 10, avail, 5, None, 32, True)
+    assert slot % 1024 == 0 and 31744 < slot and 5 * slot <= avail
+    assert in_flight(slot) > 1.2 * in_flight(31744)
+    consts = dict(S.attention_shape_consts(stages))
+    _compile_clean(**DEFAULT, **consts, NSLOTS=5, SLOT_BYTES=slot, RING_OFF=32768, PREFETCH=0)
+    with pytest.raises(ValueError, match="fits twice"):
+        S.slot_search(stages, 132, 10, 40 * 1024, 5)
+
+
 def test_stage_weight_bytes_are_the_models_matvec_weights():
-    """trace.stage_weight_bytes over bench-2b's stages: its matvec weights (all but the norms' and the
+    """schedule.stage_weight_bytes over bench-2b's stages: its matvec weights (all but the norms' and the
     embedding's few MB of the program's bytes a token), the gate/up pairs counted twice."""
-    from kog_nvidia_hopper.trace import stage_weight_bytes
+    from kog_nvidia_hopper.schedule import stage_weight_bytes
     stages = _bench2b_stages_as_loaded()
     total = sum(stage_weight_bytes(st) for st in stages)
     assert 0 < _bench2b_program().weight_bytes_per_token("bf16") - total < 1e6

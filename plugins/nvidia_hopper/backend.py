@@ -244,7 +244,10 @@ class HopperBackend(KernelBackend):
         for st in stages:
             if st.type == "matvec" and lane_major:
                 st.f["_lane_major"], st.f["_lane_pad"] = 1, lane_pad
-        slot_bytes, plans, scratch = self._ring_slots(stages, item_rows, wide)
+        # 5 slots by default (session 16, same calls, against 6: laneformer-2b +0.55%, llama-3.2-1b
+        # +0.17%, bench-2b +0.15%; 4: bench-2b -0.6%): fewer copies queued in front of every load
+        max_slots = _env_int("KOG_HOPPER_SLOTS", S.DEFAULT_SLOTS, lo=2, hi=S.MAX_SLOTS)
+        slot_bytes, plans, scratch = self._ring_slots(stages, item_rows, wide, max_slots)
         streamed = []
         for si, st in enumerate(stages):
             if st.type == "matvec":
@@ -278,9 +281,6 @@ class HopperBackend(KernelBackend):
         self.nst = len(stages)
         self.d_counters = self._alloc(self.nst * 4)
         # the weight ring takes the shared memory the stages leave, up to KOG_HOPPER_SLOTS slots
-        # 5 slots by default (session 16, same calls, against 6: laneformer-2b +0.55%, llama-3.2-1b
-        # +0.17%, bench-2b +0.15%; 4: bench-2b -0.6%): fewer copies queued in front of every load
-        max_slots = _env_int("KOG_HOPPER_SLOTS", S.DEFAULT_SLOTS, lo=2, hi=S.MAX_SLOTS)
         nslots = min(max_slots, (self.max_smem - S.STATIC_SMEM - scratch) // slot_bytes)
         if nslots < 2:
             raise CapabilityError(f"nvidia_hopper: the stages need {scratch} bytes of shared memory, leaving no "
@@ -382,13 +382,15 @@ class HopperBackend(KernelBackend):
         self.cancel_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cancel))
         self.pos = 0
 
-    def _ring_slots(self, stages, item_rows, wide=False):
+    def _ring_slots(self, stages, item_rows, wide=False, max_slots=S.DEFAULT_SLOTS):
         """The ring's slot size, every matvec stage's stream plan for it, and the shared memory the
         stages need before the ring (each matvec stage's `smem` is set here: its x rows, plus the
         chunk weights when its loader combines the attention's chunks, matvec.cuh mv_load_attn).
         KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
         into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
-        notes, session 4), of which the ring then uses KOG_HOPPER_SLOTS (default 5: session 16). wide: stages whose rows are short take items of 4 rows a warp
+        notes, session 4), of which the ring then uses KOG_HOPPER_SLOTS (default 5: session 16), or
+        with KOG_HOPPER_SLOT_SEARCH=1 (an experiment) the size whose plans put the most weight bytes
+        in flight (schedule.slot_search). wide: stages whose rows are short take items of 4 rows a warp
         (schedule.wide_items; their MV_FLAGS get MVF_WIDE). Returns (slot bytes, {stage: plan},
         scratch bytes)."""
         mv = [si for si, st in enumerate(stages) if st.type == "matvec"]
@@ -402,7 +404,12 @@ class HopperBackend(KernelBackend):
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
             avail = self.max_smem - S.STATIC_SMEM - scratch
             n = avail // slot_bytes + 1
-            if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
+            if _env_int("KOG_HOPPER_SLOT_SEARCH", 0, lo=0, hi=1):
+                try:
+                    slot_bytes = S.slot_search(stages, self.nb, self.nw, avail, max_slots, item_rows, self.kalign, wide)
+                except ValueError as e:
+                    raise CapabilityError(f"nvidia_hopper: KOG_HOPPER_SLOT_SEARCH: {e}; unset it") from None
+            elif n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
                 slot_bytes = avail // n // 1024 * 1024
         plans = {}
         for si in mv:

@@ -14,14 +14,6 @@ import os
 import numpy as np
 
 
-def stage_weight_bytes(st) -> int:
-    """bf16 weight bytes a stage streams a token (a matvec's segments, every lane; 0 otherwise)."""
-    if st.type != "matvec":
-        return 0
-    K = int(st.f["MV_K"])
-    return sum(int(sg["SEG_N"]) * int(sg.get("lanes", 1)) * K * 2 * (2 if sg.get("SEG_W2") else 1) for sg in st.segs)
-
-
 def summarize(tr: np.ndarray, labels: list[str], weight_bytes: list[int] | None = None) -> list[str]:
     """Text report of a trace [token, stage, block, 29 or 31] (ns; fields: context.cuh "trace"). Times
     are medians over the tokens.
@@ -180,6 +172,7 @@ def main():
         _, ttft, total = hb.generate_timed(prompt, params, StopCriteria(max_tokens=a.tokens))
     tr = hb.read_trace()
     labels = hb.stage_summary()
+    from .schedule import stage_weight_bytes
     wbytes = [stage_weight_bytes(st) for st in hb.stages]
     if a.save:
         np.savez_compressed(a.save, trace=tr, labels=np.asarray(labels), weight_bytes=np.asarray(wbytes))

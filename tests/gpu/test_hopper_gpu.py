@@ -332,6 +332,21 @@ def test_lanes_load_both_ways_match_reference(name, value, monkeypatch):
         hb.close()
 
 
+@pytest.mark.parametrize("name", ["llama", "laneformer-lane"])
+def test_slot_search_matches_reference(name, monkeypatch):
+    """KOG_HOPPER_SLOT_SEARCH=1 (an experiment, session 16): the ring's slot size chosen by
+    schedule.slot_search instead of 31 KB. Logits at every position and greedy tokens still match
+    the reference."""
+    monkeypatch.setenv("KOG_HOPPER_SLOT_SEARCH", "1")
+    arch, prog, w = _small_or_laneformer(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant["SLOT_BYTES"] % 1024 == 0
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=8, max_tokens=64)
+    finally:
+        hb.close()
+
+
 def _small_or_laneformer(name):
     """(arch, program, weights) of a small test model or of a Laneformer one ("laneformer-...")."""
     if name.startswith("laneformer"):
