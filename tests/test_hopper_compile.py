@@ -561,9 +561,9 @@ def test_stream_probe_round13_items_fit_their_slots():
     from kog_nvidia_hopper import stream_probe as P
     r13 = P.configs(round_=13)
     mixed = [s for _, _, s in r13 if s.get("short_every")]
-    assert len(mixed) == 4 and all(s["chunks"] == 1 and not s["ldgsts"] and not s["extra_kb"] for s in mixed)
+    assert len(mixed) == 5 and all(s["chunks"] == 1 and not s["ldgsts"] and not s["extra_kb"] for s in mixed)
     assert all(max(s.get("item_kb", s["kb"]), s["short_kb"]) <= s["kb"] for s in mixed)
-    assert sorted(s["slots"] for s in mixed) == [5, 5, 6, 6]
+    assert sorted(s["slots"] for s in mixed) == [5, 5, 5, 6, 6]
 
 
 def test_stream_probe_round10_pairs_each_code_probe_with_its_evict_first_twin():

@@ -243,8 +243,9 @@ def configs_round13():
     """The decode kernel's own item mix: its K = 2048 stages (bench-2b's and llama-3.2-1b's q/k/v,
     o_proj, gate/up and LM head) cycle items of 30 / 30 / 20 KB through 31 KB slots, packed one after
     another; its LM head streams at ~3.86 TB/s (session 16's trace), laneformer-2b's all-30 KB
-    items faster. Does the mix cost the ring ~10%, and do 5 slots (v25) or 4 x 40 KB slots
-    (KOG_HOPPER_SLOT_KB=40: K = 2048 items of 20 x 1024, all full) change it?"""
+    items faster. Does the mix cost the ring ~10%, and do 5 slots (v25), 4 x 40 KB slots
+    (KOG_HOPPER_SLOT_KB=40: K = 2048 items of 20 x 1024, all full) or 5 x 36 KB (what
+    KOG_HOPPER_SLOT_SEARCH picks) change it?"""
     base = dict(DECODE_RING, l2_first=1)
     mix = dict(base, item_kb=30, short_every=3, short_kb=20)
     full30 = dict(base, short_every=1, short_kb=30)
@@ -254,7 +255,9 @@ def configs_round13():
             ("  5 slots, items 30 / 30 / 20 KB packed", "ring", dict(mix, slots=5)),
             ("  6 slots, items all 30 KB packed", "ring", full30),
             ("  5 slots, items all 30 KB packed", "ring", dict(full30, slots=5)),
-            ("  4 x 40 KB slots and items", "ring", dict(base, slots=4, kb=40))]
+            ("  4 x 40 KB slots and items", "ring", dict(base, slots=4, kb=40)),
+            ("  5 x 36 KB slots and items", "ring", dict(base, slots=5, kb=36)),
+            ("  5 x 36 KB slots, items 31 KB packed", "ring", dict(base, slots=5, kb=36, short_every=1, short_kb=31))]
 
 
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
