@@ -539,6 +539,23 @@ def test_input_rows_by_cp_async_experiment_compiles(extra):
     cubin, log, rep = _compile_clean(**dict(DEFAULT, DEFER_NORM=0), **extra)
 
 
+def test_smem_addr_intrinsic_experiment_compiles():
+    """SMEM_ADDR_INTRINSIC=1 (ring.cuh, an experiment, off; session 16): shared-memory addresses by
+    the compiler's conversion instead of inline-asm cvta. bench-2b's build compiles without spills
+    and differs from the default's; laneformer-2b's, at the register bound, spills 4 bytes at the
+    kernel's entry (a value reloaded a stage at most; what an A/B there measures besides)."""
+    from kog_nvidia_hopper import schedule as S
+    b2 = dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
+              RING_OFF=32768, PREFETCH=0)
+    on, _, _ = _compile_clean(**b2, SMEM_ADDR_INTRINSIC=1)
+    assert on != _compile(**b2)[0]
+    stages = S.lower(_laneformer2b_program(), 132, 320, 1, fuse_lane_residual=True)
+    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
+              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1)
+    _, _, rep = _compile(**lf, SMEM_ADDR_INTRINSIC=1)
+    assert rep["registers"] <= MAX_REGISTERS and rep["spill_stores"] <= 4 and rep["spill_stores"] == rep["entry_spill_stores"], rep
+
+
 def test_stream_probe_rounds_are_well_formed():
     """Every round's configurations name a known kind and only settings the launcher reads; round 9
     (instruction fetch) times the code block with every eviction size, alone and beside the ring."""

@@ -3,10 +3,24 @@
 // shared-memory addresses, mbarriers, the bulk copy, per-thread cp.async, bf16 dot products.
 // Expects the u32 / u64 typedefs of the including file.
 
+// SMEM_ADDR_INTRINSIC (an experiment, off; KOG_HOPPER_DEFINES=SMEM_ADDR_INTRINSIC=1): the
+// compiler's own conversion instead of cvta in inline asm, which it cannot see through: every
+// mbarrier, bulk copy and cp.async address is then formed as a shared-memory offset, not as a
+// generic address built from the shared window (S2R SR_SWINHI) and converted back. bench-2b's
+// kernel: 138 fewer instructions, SR_SWINHI read in 2 places instead of 15, e.g. once less per
+// item in the consumers' loop and in the producer's copy loop (session 16, not yet run on the GPU;
+// laneformer-2b's build, at the register bound, then spills 4 bytes at the kernel's entry).
+#ifndef SMEM_ADDR_INTRINSIC
+#define SMEM_ADDR_INTRINSIC 0
+#endif
 __device__ __forceinline__ u32 smem_addr(const void* p) {
+#if SMEM_ADDR_INTRINSIC
+    return (u32)__cvta_generic_to_shared(p);
+#else
     u64 a;
     asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
     return (u32)a;
+#endif
 }
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
