@@ -449,6 +449,15 @@ def test_slot_search_puts_more_weight_bytes_in_flight():
         S.slot_search(stages, 132, 10, 40 * 1024, 5)
 
 
+def test_bench_skip_masks_parse():
+    """The developer bench's --masks: hex or decimal, commas, blanks ignored; a bad one is argparse's
+    one-line error (ValueError from the type function)."""
+    from kog_nvidia_hopper.bench import skip_masks
+    assert skip_masks("0x40, 0xc0,196") == [0x40, 0xc0, 196] and skip_masks("") == []
+    with pytest.raises(ValueError):
+        skip_masks("0x40,zz")
+
+
 def test_stage_weight_bytes_are_the_models_matvec_weights():
     """schedule.stage_weight_bytes over bench-2b's stages: its matvec weights (all but the norms' and the
     embedding's few MB of the program's bytes a token), the gate/up pairs counted twice."""

@@ -403,14 +403,15 @@ class HopperBackend(KernelBackend):
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
             avail = self.max_smem - S.STATIC_SMEM - scratch
-            n = avail // slot_bytes + 1
             if _env_int("KOG_HOPPER_SLOT_SEARCH", 0, lo=0, hi=1):
                 try:
                     slot_bytes = S.slot_search(stages, self.nb, self.nw, avail, max_slots, item_rows, self.kalign, wide)
                 except ValueError as e:
                     raise CapabilityError(f"nvidia_hopper: KOG_HOPPER_SLOT_SEARCH: {e}; unset it") from None
-            elif n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
-                slot_bytes = avail // n // 1024 * 1024
+            else:
+                n = avail // slot_bytes + 1
+                if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
+                    slot_bytes = avail // n // 1024 * 1024
         plans = {}
         for si in mv:
             w = wide and S.wide_items(stages[si], self.nw, slot_bytes)

@@ -93,6 +93,11 @@ def run(preset, tokens, context, breakdown=True, masks=()):
     return res
 
 
+def skip_masks(text: str) -> list[int]:
+    """--masks: "0x40,0xc0" -> [64, 192] (argparse reports a bad one in one line)."""
+    return [int(m, 0) for m in text.split(",") if m.strip()]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", action="append")
@@ -101,13 +106,12 @@ def main():
     ap.add_argument("--peer", default=None, help="path of torch_peer.py: run it for the same presets")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-breakdown", action="store_true")
-    ap.add_argument("--masks", default="", help="comma-separated skip masks to time (backend.bench_breakdown's "
-                    "bits: 0x40 no waits, 0x80 no input loads, 0x4 no attention, ...)")
+    ap.add_argument("--masks", type=skip_masks, default=[], help="comma-separated skip masks to time "
+                    "(backend.bench_breakdown's bits: 0x40 no waits, 0x80 no input loads, 0x4 no attention, ...)")
     a = ap.parse_args()
     results = []
     for p in a.preset or ["bench-2b"]:
-        masks = [int(m, 0) for m in a.masks.split(",") if m.strip()]
-        r = run(p, a.tokens, a.context, breakdown=not a.no_breakdown, masks=masks)
+        r = run(p, a.tokens, a.context, breakdown=not a.no_breakdown, masks=a.masks)
         r['env'] = {k: v for k, v in os.environ.items() if k.startswith('KOG_HOPPER_')}
         print(json.dumps(r), flush=True)
         if a.peer:
