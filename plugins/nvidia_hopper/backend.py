@@ -388,9 +388,8 @@ class HopperBackend(KernelBackend):
         chunk weights when its loader combines the attention's chunks, matvec.cuh mv_load_attn).
         KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
         into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
-        notes, session 4), of which the ring then uses KOG_HOPPER_SLOTS (default 5: session 16), or
-        with KOG_HOPPER_SLOT_SEARCH=1 (an experiment) the size whose plans put the most weight bytes
-        in flight (schedule.slot_search). wide: stages whose rows are short take items of 4 rows a warp
+        notes, session 4), of which the ring then uses KOG_HOPPER_SLOTS (default 5: session 16; 32,
+        36 and 40 KB slots, whose items hold more bytes, were slower on every preset in session 17). wide: stages whose rows are short take items of 4 rows a warp
         (schedule.wide_items; their MV_FLAGS get MVF_WIDE). Returns (slot bytes, {stage: plan},
         scratch bytes)."""
         mv = [si for si, st in enumerate(stages) if st.type == "matvec"]
@@ -403,15 +402,9 @@ class HopperBackend(KernelBackend):
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
             avail = self.max_smem - S.STATIC_SMEM - scratch
-            if _env_int("KOG_HOPPER_SLOT_SEARCH", 0, lo=0, hi=1):
-                try:
-                    slot_bytes = S.slot_search(stages, self.nb, self.nw, avail, max_slots, item_rows, self.kalign, wide)
-                except ValueError as e:
-                    raise CapabilityError(f"nvidia_hopper: KOG_HOPPER_SLOT_SEARCH: {e}; unset it") from None
-            else:
-                n = avail // slot_bytes + 1
-                if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
-                    slot_bytes = avail // n // 1024 * 1024
+            n = avail // slot_bytes + 1
+            if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
+                slot_bytes = avail // n // 1024 * 1024
         plans = {}
         for si in mv:
             w = wide and S.wide_items(stages[si], self.nw, slot_bytes)

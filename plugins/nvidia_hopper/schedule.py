@@ -625,44 +625,6 @@ def stage_weight_bytes(st: Stage) -> int:
     return sum(int(sg["SEG_N"]) * int(sg.get("lanes", 1)) * K * 2 * (2 if sg.get("SEG_W2") else 1) for sg in st.segs)
 
 
-SLOT_SEARCH_KB = range(24, 49)  # the slot sizes slot_search weighs, KB
-
-
-def slot_search(stages: list[Stage], nb: int, nw: int, avail: int, max_slots: int, max_rows: int | None = None,
-                kalign: int = 1, wide: bool = True) -> int:
-    """The ring's slot size (KOG_HOPPER_SLOT_SEARCH, an experiment): of SLOT_SEARCH_KB, the one whose
-    item plans put the most weight bytes in flight, i.e. the slots that fit in `avail` bytes (at most
-    max_slots) times the stream's mean item bytes. Why: a slot holds one item, and a matvec's items
-    are cut by rows and k-slices, so most fill 75-85% of a 31 KB slot (bench-2b: 24.7 KB on average,
-    5 x 24.7 = 123 KB in flight), and a ring's rate follows its bytes in flight below ~140 KB
-    (stream probe round 12). Ties go to the smaller slot. One plan per distinct stage shape (a
-    model's layers repeat theirs)."""
-    shapes: dict[tuple, list] = {}
-    for st in stages:
-        if st.type != "matvec":
-            continue
-        key = (int(st.f["MV_K"]), int(st.f["MV_FLAGS"]), st.f.get("_lane_major"), st.f.get("_lane_pad"),
-               tuple((int(sg["SEG_N"]), int(sg.get("lanes", 1)), bool(sg.get("SEG_W2"))) for sg in st.segs))
-        shapes.setdefault(key, [st, 0])[1] += 1
-    total = sum(stage_weight_bytes(st) * count for st, count in shapes.values())
-    best = (0.0, 0)
-    for kb in SLOT_SEARCH_KB:
-        slot = kb * 1024
-        n = min(max_slots, avail // slot)
-        if n < 2:
-            continue
-        items = 0
-        for st, count in shapes.values():
-            w = wide and wide_items(st, nw, slot)
-            items += count * len(plan_items(stream_plan(st, nb, nw, slot, max_rows, kalign, wide=w)[0], nb))
-        score = n * total / max(items, 1)
-        if score > best[0]:
-            best = (score, slot)
-    if not best[1]:
-        raise ValueError(f"no slot size of {SLOT_SEARCH_KB.start}-{SLOT_SEARCH_KB.stop - 1} KB fits twice in {avail} bytes")
-    return best[1]
-
-
 def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | None = None,
                 kalign: int = 1, wide: bool = False) -> tuple[np.ndarray, int]:
     """The per-block work list of a matvec stage for the weight stream, and the x scratch it needs.

@@ -40,7 +40,8 @@ def configs(quick: bool = False, round_: int = 1):
     if round_ != 1:
         return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6,
                 7: configs_round7, 8: configs_round8, 9: configs_round9,
-                10: configs_round10, 11: configs_round11, 12: configs_round12, 13: configs_round13}[round_]()
+                10: configs_round10, 11: configs_round11, 12: configs_round12, 13: configs_round13,
+                14: configs_round14}[round_]()
     out = []
     base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
@@ -245,7 +246,7 @@ def configs_round13():
     another; its LM head streams at ~3.86 TB/s (session 16's trace), laneformer-2b's all-30 KB
     items faster. Does the mix cost the ring ~10%, and do 5 slots (v25), 4 x 40 KB slots
     (KOG_HOPPER_SLOT_KB=40: K = 2048 items of 20 x 1024, all full) or 5 x 36 KB (what
-    KOG_HOPPER_SLOT_SEARCH picks) change it?"""
+    the removed KOG_HOPPER_SLOT_SEARCH picked) change it?"""
     base = dict(DECODE_RING, l2_first=1)
     mix = dict(base, item_kb=30, short_every=3, short_kb=20)
     full30 = dict(base, short_every=1, short_kb=30)
@@ -258,6 +259,23 @@ def configs_round13():
             ("  4 x 40 KB slots and items", "ring", dict(base, slots=4, kb=40)),
             ("  5 x 36 KB slots and items", "ring", dict(base, slots=5, kb=36)),
             ("  5 x 36 KB slots, items 31 KB packed", "ring", dict(base, slots=5, kb=36, short_every=1, short_kb=31))]
+
+
+def configs_round14():
+    """Round 13 again with the mixed-size path's 64-bit divisions gone (a running position in the
+    cycle), plus its control: full 31 KB items taken through the mixed-size path (the same bytes
+    and slots as v25's ring). Round 13 measured the packed mixes 9-15% under full items (3.81
+    TB/s for 30 / 30 / 20 KB, the LM head's rate in the decode kernel); the decode kernel itself
+    lost with uniform full items (32 and 40 KB slots, session 17). Is the mix's cost the memory
+    system's or the probe's per-item code?"""
+    base = dict(DECODE_RING, l2_first=1, slots=5)
+    mix = dict(base, item_kb=30, short_every=3, short_kb=20)
+    return [("ring as decode, 5 x 31 KB items, evict-first", "ring", base),
+            ("  5 x 31 KB, full items by the mixed path", "ring", dict(base, short_every=1, short_kb=31)),
+            ("  items 30 / 30 / 20 KB packed", "ring", mix),
+            ("  items all 30 KB packed", "ring", dict(base, short_every=1, short_kb=30)),
+            ("  5 x 36 KB slots, items 31 KB packed", "ring", dict(base, kb=36, short_every=1, short_kb=31)),
+            ("  6 slots, items 30 / 30 / 20 KB packed", "ring", dict(mix, slots=6))]
 
 
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
@@ -288,7 +306,7 @@ def main():
                          "8: consumer time per item; 9: instruction fetch; 10: the same, clock fixed, and the "
                          "ring's copies L2 evict-first; 11: instruction cache sizes; 12: item bytes "
                          "in the same slots; 13: the decode kernel's item mix (30 / 30 / 20 KB), 5 slots, "
-                         "4 x 40 KB (several: in turn)")
+                         "4 x 40 KB; 14: round 13 without its per-item divisions (several: in turn)")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement

@@ -332,37 +332,6 @@ def test_lanes_load_both_ways_match_reference(name, value, monkeypatch):
         hb.close()
 
 
-@pytest.mark.parametrize("name", ["llama", "laneformer-lane"])
-def test_slot_search_matches_reference(name, monkeypatch):
-    """KOG_HOPPER_SLOT_SEARCH=1 (an experiment, session 16): the ring's slot size chosen by
-    schedule.slot_search instead of 31 KB. Logits at every position and greedy tokens still match
-    the reference."""
-    monkeypatch.setenv("KOG_HOPPER_SLOT_SEARCH", "1")
-    arch, prog, w = _small_or_laneformer(name)
-    ref, hb = _backends(prog, w)
-    try:
-        assert hb.variant["SLOT_BYTES"] % 1024 == 0
-        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=8, max_tokens=64)
-    finally:
-        hb.close()
-
-
-@pytest.mark.slow
-def test_slot_search_on_bench_2b_matches_reference(monkeypatch):
-    """KOG_HOPPER_SLOT_SEARCH=1 at bench-2b's shapes, where it picks slots larger than the default's
-    31 KB (the small models' items are too small for the size to matter, so it picks the smallest
-    there): logits at every position of a short sequence within 2e-2 of the CPU reference."""
-    monkeypatch.setenv("KOG_HOPPER_SLOT_SEARCH", "1")
-    from kog_nvidia_hopper.bench import build, random_bf16_weights
-    arch, prog = build("bench-2b", 256)
-    ref, hb = _backends(prog, random_bf16_weights(arch))
-    try:
-        assert hb.variant["SLOT_BYTES"] > 31744  # 36 KB x 5 by the CPU test's shared-memory budget
-        _assert_logits_match(hb, ref, np.random.default_rng(3).integers(0, prog.vocab_size, 12).tolist())
-    finally:
-        hb.close()
-
-
 def _small_or_laneformer(name):
     """(arch, program, weights) of a small test model or of a Laneformer one ("laneformer-...")."""
     if name.startswith("laneformer"):

@@ -3,15 +3,15 @@
 // shared-memory addresses, mbarriers, the bulk copy, per-thread cp.async, bf16 dot products.
 // Expects the u32 / u64 typedefs of the including file.
 
-// SMEM_ADDR_INTRINSIC (an experiment, off; KOG_HOPPER_DEFINES=SMEM_ADDR_INTRINSIC=1): the
-// compiler's own conversion instead of cvta in inline asm, which it cannot see through: every
-// mbarrier, bulk copy and cp.async address is then formed as a shared-memory offset, not as a
-// generic address built from the shared window (S2R SR_SWINHI) and converted back. bench-2b's
-// kernel: 138 fewer instructions, SR_SWINHI read in 2 places instead of 15, e.g. once less per
-// item in the consumers' loop and in the producer's copy loop (session 16, not yet run on the GPU;
-// laneformer-2b's build, at the register bound, then spills 4 bytes at the kernel's entry).
+// SMEM_ADDR_INTRINSIC (the default since session 17; KOG_HOPPER_DEFINES=SMEM_ADDR_INTRINSIC=0 for
+// the old form): the compiler's own conversion instead of cvta in inline asm, which it cannot see
+// through: every mbarrier, bulk copy and cp.async address is then formed as a shared-memory offset,
+// not as a generic address built from the shared window (S2R SR_SWINHI) and converted back.
+// bench-2b's kernel: 138 fewer instructions, e.g. once less per item in the consumers' loop and in
+// the producer's copy loop. Same-call A/Bs, two rounds each: bench-2b +0.5%, llama-3.2-1b +0.3%,
+// laneformer-2b +0.2% (whose build, at the register bound, then spills 4 bytes at the kernel's entry).
 #ifndef SMEM_ADDR_INTRINSIC
-#define SMEM_ADDR_INTRINSIC 0
+#define SMEM_ADDR_INTRINSIC 1
 #endif
 __device__ __forceinline__ u32 smem_addr(const void* p) {
 #if SMEM_ADDR_INTRINSIC

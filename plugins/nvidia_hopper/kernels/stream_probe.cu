@@ -107,15 +107,13 @@ __device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1
 // Mixed item sizes (short_every > 0): every short_every-th item is short_bytes long, the others
 // item_bytes, packed one after another in the source as the decode kernel packs a stage's items
 // (its K = 2048 stages cycle 30 / 30 / 20 KB items through 31 KB slots). Otherwise every item fills
-// a slot, one slot's stride apart.
-__device__ __forceinline__ u64 item_off(u64 q, u32 slot_bytes, u32 item_bytes, u32 short_every, u32 short_bytes) {
-    if (!short_every) return q * slot_bytes;
-    return (q / short_every) * ((u64)(short_every - 1) * item_bytes + short_bytes) + (q % short_every) * item_bytes;
+// a slot, one slot's stride apart. Producer and consumers walk the cycle with a running position
+// (round 14): round 13's per-item 64-bit divisions (q / short_every, q % short_every) were extra
+// work on both sides of the ring that the full-item rows did not have.
+__device__ __forceinline__ u32 mixed_len(u32 k, u32 item_bytes, u32 short_every, u32 short_bytes) {
+    return k == short_every - 1 ? short_bytes : item_bytes;
 }
-__device__ __forceinline__ u32 item_len(u64 q, u32 slot_bytes, u32 item_bytes, u32 short_every, u32 short_bytes) {
-    if (!short_every) return slot_bytes;
-    return q % short_every == short_every - 1 ? short_bytes : item_bytes;
-}
+__device__ __forceinline__ u32 mixed_next(u32 k, u32 short_every) { return k + 1 == short_every ? 0 : k + 1; }
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
@@ -196,6 +194,8 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
         if (tid != nc) return;
         const u32 cb = (slot_bytes - lsu_bytes) / chunks;
         const u64 pol = l2_evict_first_policy();  // l2_first: the copies' lines are evicted first
+        u64 poff = 0;  // mixed sizes: this item's source offset and its place in the cycle
+        u32 pk = 0;
         for (u64 q = 0; q < nitems; ++q) {
             const u32 s = (u32)(q % nslots);
             if (q >= nslots) mbar_wait(&empty_bar[s], (u32)((q / nslots - 1) & 1));
@@ -205,12 +205,14 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
                 prefetch_l2(base + (q + prefetch) * slot_bytes, slot_bytes);
             if (lsu_bytes >= slot_bytes) { mbar_arrive(&full_bar[s]); continue; }
             if (short_every) {  // one copy of this item's length
-                const u32 len = item_len(q, slot_bytes, item_bytes, short_every, short_bytes);
+                const u32 len = mixed_len(pk, item_bytes, short_every, short_bytes);
                 mbar_expect_tx(&full_bar[s], len);
                 unsigned char* d = probe_smem + (u64)s * slot_bytes;
-                const unsigned char* g = base + item_off(q, slot_bytes, item_bytes, short_every, short_bytes);
+                const unsigned char* g = base + poff;
                 if (l2_first) bulk_copy_hint(d, g, len, &full_bar[s], pol);
                 else bulk_copy(d, g, len, &full_bar[s]);
+                poff += len;
+                pk = mixed_next(pk, short_every);
                 continue;
             }
             mbar_expect_tx(&full_bar[s], slot_bytes - lsu_bytes);
@@ -226,8 +228,10 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
         return;
     }
     float acc = 0.f;
+    u32 ck = 0;  // mixed sizes: this item's place in the cycle
     for (u64 q = 0; q < nitems; ++q) {
-        const int n16 = item_len(q, slot_bytes, item_bytes, short_every, short_bytes) / 16;
+        const int n16 = (short_every ? mixed_len(ck, item_bytes, short_every, short_bytes) : slot_bytes) / 16;
+        if (short_every) ck = mixed_next(ck, short_every);
         const u32 s = (u32)(q % nslots);
         const bool tr = trace && blockIdx.x == 0 && tid == 0 && q < ntrace;
         if (tr) trace[3 * q + 1] = gtimer();
