@@ -558,8 +558,8 @@ def test_stream_probe_rounds_are_well_formed():
     (instruction fetch) times the code block with every eviction size, alone and beside the ring."""
     from kog_nvidia_hopper import stream_probe as P
     known = set(P.DECODE_RING) | {"blocks", "trace", "wrap", "lsu_kb", "evict", "unroll", "threads", "l2_first",
-                                  "item_kb", "short_every", "short_kb"}
-    for r in range(1, 14):
+                                  "item_kb", "short_every", "short_kb", "share_kb", "stride_kb"}
+    for r in range(1, 16):
         for name, kind, settings in P.configs(round_=r):
             assert kind in ("ring", "ldg", "lat") and name.strip(), (r, name)
             assert set(settings) <= known, (r, name, set(settings) - known)
@@ -590,6 +590,22 @@ def test_stream_probe_round14_controls_the_mixed_path():
     mixed = [s for _, _, s in r14 if s.get("short_every")]
     assert all(s["chunks"] == 1 and max(s.get("item_kb", s["kb"]), s["short_kb"]) <= s["kb"] for s in mixed)
     assert any(s["short_every"] == 1 and s["short_kb"] == s["kb"] == 31 and s["slots"] == 5 for s in mixed)
+
+
+def test_stream_probe_round15_shares_are_the_lm_heads():
+    """Round 15: bench-2b's LM head layout in the probe: shares of ~3.8 MB a block (a whole
+    number of 30 / 30 / 20 KB cycles or items), back to back or at a stride that holds them; every
+    other configuration's share is unchanged (the whole buffer over the blocks)."""
+    from kog_nvidia_hopper import stream_probe as P
+    r15 = P.configs(round_=15)
+    shares = [P.ring_share(n, s, 132) for n, _, s in r15]
+    assert shares[0][0] > 30 * 2**20 and shares[0][1] == 0
+    assert all(3700 * 1024 <= per <= 3884 * 1024 for per, _ in shares[1:])
+    assert [st for _, st in shares[1:4]] == [0, 3877 * 1024, 4096 * 1024]
+    assert shares[1][0] % (80 * 1024) == 0 and shares[4][0] % (31 * 1024) == 0 and shares[5][0] % (40 * 1024) == 0
+    assert P.ring_share("x", P.configs(round_=14)[0][2], 132) == (P.BUFFER_BYTES // 132 // (31 * 1024) * 31 * 1024, 0)
+    with pytest.raises(SystemExit, match="stride"):
+        P.ring_share("x", dict(r15[1][2], stride_kb=1000), 132)
 
 
 def test_stream_probe_round10_pairs_each_code_probe_with_its_evict_first_twin():

@@ -41,7 +41,7 @@ def configs(quick: bool = False, round_: int = 1):
         return {2: configs_round2, 3: configs_round3, 4: configs_round4, 5: configs_round5, 6: configs_round6,
                 7: configs_round7, 8: configs_round8, 9: configs_round9,
                 10: configs_round10, 11: configs_round11, 12: configs_round12, 13: configs_round13,
-                14: configs_round14}[round_]()
+                14: configs_round14, 15: configs_round15}[round_]()
     out = []
     base = DECODE_RING
     out.append(("ring as decode (10w, 6x31KB, dot)", "ring", base))
@@ -278,6 +278,48 @@ def configs_round14():
             ("  6 slots, items 30 / 30 / 20 KB packed", "ring", dict(mix, slots=6))]
 
 
+def configs_round15():
+    """The LM head's own layout. Alone (skip mask 0xce, session 17) bench-2b's LM head streams at
+    ~3.2 TB/s, ~1.1 us an item, in items of the probe's round-14 mix (30 / 30 / 20 KB), which the
+    probe streams at 4.34. The head's blocks each stream one ~3.9 MB share (971-972 rows of 4 KB),
+    the shares back to back, all blocks in step; the probe's blocks stream 32 MB shares. Does the
+    layout (short shares at a ~3.9 MB stride) or the decode kernel's own per-item code make the
+    difference? The short runs (~120 us) carry a ring fill and a tail: compare the rows with each
+    other, not with round 14."""
+    base = dict(DECODE_RING, l2_first=1, slots=5)
+    mix = dict(base, item_kb=30, short_every=3, short_kb=20)
+    return [("items 30 / 30 / 20 KB, 32 MB shares (round 14)", "ring", mix),
+            ("  the same, 3840 KB shares back to back (LM head)", "ring", dict(mix, share_kb=3884)),
+            ("  3840 KB shares at a 3877 KB stride", "ring", dict(mix, share_kb=3884, stride_kb=3877)),
+            ("  3840 KB shares at a 4096 KB stride", "ring", dict(mix, share_kb=3884, stride_kb=4096)),
+            ("  full 31 KB items, 3813 KB shares", "ring", dict(base, share_kb=3884)),
+            ("  4 x 40 KB items, 3840 KB shares", "ring", dict(base, slots=4, kb=40, share_kb=3884))]
+
+
+def ring_share(name: str, s: dict, blocks: int) -> tuple[int, int]:
+    """(bytes each block streams, stride between the blocks' shares; 0: back to back) of a ring
+    configuration. Mixed item sizes (rounds 13-15: every short_every-th item short_kb, the others
+    item_kb, packed back to back) take one bulk copy an item and nothing else; a share is a whole
+    number of items (or cycles), at most the buffer's part per block, or share_kb (round 15)."""
+    slot = s["kb"] * 1024
+    unit = slot + s["extra_kb"] * 1024
+    short_every = s.get("short_every", 0)
+    if short_every:
+        item_bytes, short_bytes = s.get("item_kb", s["kb"]) * 1024, s.get("short_kb", 0) * 1024
+        if s["chunks"] != 1 or s["ldgsts"] or s["extra_kb"] or s.get("wrap") or s["prefetch"] or s["pf_warp"]:
+            raise SystemExit(f"{name}: mixed item sizes take one bulk copy an item and nothing else")
+        if max(item_bytes, short_bytes) > slot:
+            raise SystemExit(f"{name}: an item is larger than its slot")
+        unit = (short_every - 1) * item_bytes + short_bytes
+    per_block = (BUFFER_BYTES // blocks) // unit * unit
+    if s.get("share_kb"):
+        per_block = min(per_block, s["share_kb"] * 1024 // unit * unit)
+    stride = s.get("stride_kb", 0) * 1024
+    if stride and (stride < per_block or stride * blocks > BUFFER_BYTES):
+        raise SystemExit(f"{name}: a block's stride must hold its share and the grid fit the buffer")
+    return per_block, stride
+
+
 def trace_summary(tr: np.ndarray, every: int) -> list[str]:
     """tr: [n, 3] (issue, wait start, wait end) of block 0's items, ns."""
     n = len(tr)
@@ -306,7 +348,7 @@ def main():
                          "8: consumer time per item; 9: instruction fetch; 10: the same, clock fixed, and the "
                          "ring's copies L2 evict-first; 11: instruction cache sizes; 12: item bytes "
                          "in the same slots; 13: the decode kernel's item mix (30 / 30 / 20 KB), 5 slots, "
-                         "4 x 40 KB; 14: round 13 without its per-item divisions (several: in turn)")
+                         "4 x 40 KB; 14: round 13 without its per-item divisions; 15: the LM head's per-block shares (several: in turn)")
     a = ap.parse_args()
     from kog_nvidia_hopper.backend import HopperBackend
     hb = HopperBackend()  # context, stream and the copy-bandwidth measurement
@@ -354,17 +396,9 @@ def main():
             f, threads, smem = fn("lat"), 32, 0
         elif kind == "ring":
             slot = s["kb"] * 1024
-            per_item = slot + s["extra_kb"] * 1024
-            per_block = (BUFFER_BYTES // blocks) // per_item * per_item
-            short_every = s.get("short_every", 0)  # mixed item sizes (round 13), packed back to back
+            per_block, stride = ring_share(name, s, blocks)
+            short_every = s.get("short_every", 0)
             item_bytes, short_bytes = s.get("item_kb", s["kb"]) * 1024, s.get("short_kb", 0) * 1024
-            if short_every:
-                if s["chunks"] != 1 or s["ldgsts"] or s["extra_kb"] or s.get("wrap") or s["prefetch"] or s["pf_warp"]:
-                    raise SystemExit(f"{name}: mixed item sizes take one bulk copy an item and nothing else")
-                if max(item_bytes, short_bytes) > slot:
-                    raise SystemExit(f"{name}: an item is larger than its slot")
-                cycle = (short_every - 1) * item_bytes + short_bytes
-                per_block = (BUFFER_BYTES // blocks) // cycle * cycle
             args = [ctypes.c_uint64(buf), ctypes.c_uint64(per_block), ctypes.c_uint32(s["slots"]), ctypes.c_uint32(slot),
                     ctypes.c_uint32(s["chunks"]), ctypes.c_int(s["consume"]), ctypes.c_uint32(s["every"]),
                     ctypes.c_uint32(s["ns"]), ctypes.c_uint32(s["skew"]), ctypes.c_uint32(s["prefetch"]), ctypes.c_int(s["pf_warp"]), ctypes.c_int(s["ldgsts"]),
@@ -373,7 +407,7 @@ def main():
                     ctypes.c_int(s["lat_warp"]), ctypes.c_int(s["lat_kind"]), ctypes.c_uint64(d_chase), ctypes.c_uint64(d_lat),
                     ctypes.c_uint32(s.get("wrap", 0)), ctypes.c_int(s.get("evict", 0)),
                     ctypes.c_int(s.get("l2_first", 0)), ctypes.c_uint32(item_bytes), ctypes.c_uint32(short_every),
-                    ctypes.c_uint32(short_bytes)]
+                    ctypes.c_uint32(short_bytes), ctypes.c_uint64(stride)]
             f, threads, smem = fn("ring"), 32 * (s["warps"] + 1 + s["ldgsts"] + s["pf_warp"] + s["lat_warp"]), s["slots"] * slot
         else:
             per_block = (BUFFER_BYTES // blocks) // 16 * 16
@@ -410,7 +444,7 @@ def main():
         if s.get("trace"):
             tr = np.zeros((ntrace, 3), np.uint64)
             check(drv.cuMemcpyDtoH(tr.ctypes.data, d_trace, tr.nbytes), "cuMemcpyDtoH(trace)")
-            lines = trace_summary(tr[:min(ntrace, per_block // per_item)].astype(np.int64), s["every"])
+            lines = trace_summary(tr[:min(ntrace, per_block // (s["kb"] * 1024 + s["extra_kb"] * 1024))].astype(np.int64), s["every"])
             r["trace"] = lines
             print("\n".join(lines), flush=True)
     print(f"copy bandwidth {copy_bw:.3f} TB/s, {nb} blocks, {BUFFER_BYTES >> 30} GB buffer", flush=True)

@@ -119,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32 slot_bytes, u32 chunks,
            int consume, u32 pause_every, u32 pause_ns, u32 pause_skew, u32 prefetch, int pf_warp, int ldgsts, u32 lsu_bytes, u32 extra_bytes, float* out, u64* trace, u32 ntrace,
            int lat_warp, int lat_kind, const u32* chase, u64* lat_out, u32 wrap_items, int evict, int l2_first,
-           u32 item_bytes, u32 short_every, u32 short_bytes) {
+           u32 item_bytes, u32 short_every, u32 short_bytes, u64 block_stride) {
     // consumers, then the bulk producer warp, then `ldgsts` cp.async warps, then the prefetch warp, then the latency warp
     const int nc = blockDim.x - 32 - 32 * ldgsts - 32 * pf_warp - 32 * lat_warp;
     const int tid = threadIdx.x;
@@ -130,7 +130,9 @@ probe_ring(const unsigned char* __restrict__ src, u64 per_block, u32 nslots, u32
     // 16-byte loads) from the rest of the block's share: do the ring's and the loads' ceilings add?
     const uint4* extra = (const uint4*)(src + (u64)blockIdx.x * per_block + nitems * slot_bytes);
     // wrap_items > 0: item q reads the block's item q % wrap_items, so a small share stays in L2
-    const unsigned char* base = src + (u64)blockIdx.x * (wrap_items ? (u64)wrap_items * slot_bytes : per_block);
+    // block_stride > 0 (round 15): block b's share starts b * block_stride bytes in (otherwise right after b - 1's)
+    const unsigned char* base = src + (u64)blockIdx.x * (wrap_items ? (u64)wrap_items * slot_bytes
+                                                                    : block_stride ? block_stride : per_block);
     if (tid == 0) {
         s_issued = 0;
         s_cdone = 0;
