@@ -389,9 +389,9 @@ class HopperBackend(KernelBackend):
         KOG_HOPPER_SLOT_KB sets the slot size; by default the shared memory the stages leave is cut
         into as many slots of 30-32 KB as fit (six slots of 31 KB beat five of 32 on bench-2b: perf
         notes, session 4), of which the ring then uses KOG_HOPPER_SLOTS (default 5: session 16; 32,
-        36 and 40 KB slots, whose items hold more bytes, were slower on every preset in session 17). wide: stages whose rows are short take items of 4 rows a warp
-        (schedule.wide_items; their MV_FLAGS get MVF_WIDE). Returns (slot bytes, {stage: plan},
-        scratch bytes)."""
+        36 and 40 KB slots, whose items hold more bytes, were slower on every preset in session 17).
+        wide: stages whose rows are short take items of 4 rows a warp (schedule.wide_items; their
+        MV_FLAGS get MVF_WIDE). Returns (slot bytes, {stage: plan}, scratch bytes)."""
         mv = [si for si, st in enumerate(stages) if st.type == "matvec"]
         for si in mv:  # x scratch: set by the row dealing alone, not by the slot size
             at = stages[stages[si].f["_attn_stage"]] if "_attn_stage" in stages[si].f else None
@@ -405,12 +405,16 @@ class HopperBackend(KernelBackend):
             n = avail // slot_bytes + 1
             if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
                 slot_bytes = avail // n // 1024 * 1024
+        # KOG_HOPPER_PACK_SKEW_KB (an experiment, off): unused bytes between the blocks' runs of a
+        # stage's packed weights, which moves the spacing of the blocks' concurrent streams in HBM
+        skew = _env_int("KOG_HOPPER_PACK_SKEW_KB", 0, lo=0, hi=1024) * 1024
         plans = {}
         for si in mv:
             w = wide and S.wide_items(stages[si], self.nw, slot_bytes)
             flags = int(stages[si].f["MV_FLAGS"]) & ~S.CONSTS["MVF_WIDE"]  # (a second call may turn it off)
             stages[si].f["MV_FLAGS"] = flags | S.CONSTS["MVF_WIDE"] if w else flags
-            plans[si] = S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows, self.kalign, wide=w)[0]
+            plans[si] = S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows, self.kalign, wide=w,
+                                      block_skew=skew)[0]
         return slot_bytes, plans, scratch
 
     def _pack(self, st: S.Stage) -> np.ndarray:
