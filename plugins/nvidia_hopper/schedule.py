@@ -644,6 +644,8 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     K = int(st.f["MV_K"])
     if wide and any(sg["SEG_W2"] for sg in st.segs):
         raise ValueError("stream_plan: a stage with a gate/up pair cannot take wide items (wide_items)")
+    if block_skew % 16:
+        raise ValueError(f"stream_plan: block_skew {block_skew} is not a multiple of 16 bytes")
     max_rows = max_rows or 2 * nw * (WIDE_GROUPS if wide else 1)
     per_block: list[list[tuple]] = [[] for _ in range(nb)]
     for si, lane, n, pair, b, r0, r1 in _deal_rows(st, nb):
@@ -679,8 +681,6 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
         offs.append(len(items))
         xbytes = max(xbytes, cnt * K * 4)
     # packed offsets in 16-byte units; field 0 carries segment | lane << 2, field 1 the offset
-    if block_skew % 16:
-        raise ValueError(f"stream_plan: block_skew {block_skew} is not a multiple of 16 bytes")
     at = 0
     for b in range(nb):
         if b and per_block[b]:
