@@ -268,37 +268,6 @@ def test_aligned_k_slices_keep_every_lane_busy():
         assert all(0 < b - a <= mx for a, b in zip(cuts, cuts[1:]))
 
 
-def test_block_skew_leaves_gaps_between_blocks_and_the_items_unchanged():
-    """stream_plan's block_skew (KOG_HOPPER_PACK_SKEW_KB): every block's run starts block_skew bytes
-    after the one before it ends, the items (rows, k-slices, headers) are the unskewed plan's, and
-    pack_stage_weights puts the same bytes at the moved offsets; a skew off 16 bytes is refused."""
-    import numpy as np
-    from kog_nvidia_hopper import schedule as S
-    rng = np.random.default_rng(1)
-    K, nb = 96, 5
-    st = _plan_stage(K, [(37, False), (11, True)], 2)
-    st.segs[0]["SEG_W"] = "@a"
-    st.segs[1].update(SEG_W="@g", SEG_W2="@u")
-    mats = {"a": rng.integers(0, 65535, (2, 37, K), dtype=np.uint16),
-            "g": rng.integers(0, 65535, (11, K), dtype=np.uint16),
-            "u": rng.integers(0, 65535, (11, K), dtype=np.uint16)}
-    plain, _ = S.stream_plan(st, nb, 12, 1024)
-    skewed, _ = S.stream_plan(st, nb, 12, 1024, block_skew=3 * 1024 + 16)
-    a, b = S.plan_items(plain, nb), S.plan_items(skewed, nb)
-    assert (np.delete(a, 2, axis=1) == np.delete(b, 2, axis=1)).all() and (plain[:3 * nb + 1] == skewed[:3 * nb + 1]).all()
-    firsts = plain[:nb]  # each block's first item
-    shift = (b[:, 2] - a[:, 2]) * 16
-    block_of = np.searchsorted(plain[:nb + 1], np.arange(len(a)), side="right") - 1
-    assert (shift == block_of * (3 * 1024 + 16)).all() and shift[firsts[1]] > 0
-    pa = S.pack_stage_weights(plain, nb, st.segs, lambda n: mats[n])
-    pb = S.pack_stage_weights(skewed, nb, st.segs, lambda n: mats[n])
-    for (_, _, oa, _, rows, _, klen, _, _), (si, _, ob, *_r) in zip(a, b):
-        n = rows * klen * (2 if si == 1 else 1)
-        np.testing.assert_array_equal(pa[oa * 8:oa * 8 + n], pb[ob * 8:ob * 8 + n])
-    with pytest.raises(ValueError, match="multiple of 16"):
-        S.stream_plan(st, nb, 12, 1024, block_skew=8)
-
-
 def test_packed_weights_put_each_item_in_one_contiguous_run():
     """pack_stage_weights: item i's bytes are W[lane, rows, k-slice] (then W2's) at its offset."""
     import numpy as np

@@ -405,16 +405,12 @@ class HopperBackend(KernelBackend):
             n = avail // slot_bytes + 1
             if n <= S.MAX_SLOTS and avail // n >= 30 * 1024:
                 slot_bytes = avail // n // 1024 * 1024
-        # KOG_HOPPER_PACK_SKEW_KB (an experiment, off): unused bytes between the blocks' runs of a
-        # stage's packed weights, which moves the spacing of the blocks' concurrent streams in HBM
-        skew = _env_int("KOG_HOPPER_PACK_SKEW_KB", 0, lo=0, hi=1024) * 1024
         plans = {}
         for si in mv:
             w = wide and S.wide_items(stages[si], self.nw, slot_bytes)
             flags = int(stages[si].f["MV_FLAGS"]) & ~S.CONSTS["MVF_WIDE"]  # (a second call may turn it off)
             stages[si].f["MV_FLAGS"] = flags | S.CONSTS["MVF_WIDE"] if w else flags
-            plans[si] = S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows, self.kalign, wide=w,
-                                      block_skew=skew)[0]
+            plans[si] = S.stream_plan(stages[si], self.nb, self.nw, slot_bytes, item_rows, self.kalign, wide=w)[0]
         return slot_bytes, plans, scratch
 
     def _pack(self, st: S.Stage) -> np.ndarray:

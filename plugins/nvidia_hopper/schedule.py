@@ -626,7 +626,7 @@ def stage_weight_bytes(st: Stage) -> int:
 
 
 def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | None = None,
-                kalign: int = 1, wide: bool = False, block_skew: int = 0) -> tuple[np.ndarray, int]:
+                kalign: int = 1, wide: bool = False) -> tuple[np.ndarray, int]:
     """The per-block work list of a matvec stage for the weight stream, and the x scratch it needs.
 
     Rows of every (segment, lane) are dealt to the blocks in contiguous ranges of equal bytes
@@ -636,16 +636,11 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     k-slices so that an item fits one ring slot; the slices of a group are consecutive items, so a
     warp accumulates them in registers.
     Every item is one contiguous run of the stage's packed weights (pack_stage_weights), so the
-    producer moves it with a single bulk copy. The blocks' runs follow each other, with block_skew
-    bytes (a multiple of 16) left unused before each block's but the first (KOG_HOPPER_PACK_SKEW_KB,
-    an experiment: the blocks' shares stream in step, so their start addresses' spacing is the
-    spacing of 132 concurrent streams in HBM).
+    producer moves it with a single bulk copy.
     Returns (int32 plan, bytes of x scratch). Layout: see stream.cuh (an item's header)."""
     K = int(st.f["MV_K"])
     if wide and any(sg["SEG_W2"] for sg in st.segs):
         raise ValueError("stream_plan: a stage with a gate/up pair cannot take wide items (wide_items)")
-    if block_skew % 16:
-        raise ValueError(f"stream_plan: block_skew {block_skew} is not a multiple of 16 bytes")
     max_rows = max_rows or 2 * nw * (WIDE_GROUPS if wide else 1)
     per_block: list[list[tuple]] = [[] for _ in range(nb)]
     for si, lane, n, pair, b, r0, r1 in _deal_rows(st, nb):
@@ -682,14 +677,11 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
         xbytes = max(xbytes, cnt * K * 4)
     # packed offsets in 16-byte units; field 0 carries segment | lane << 2, field 1 the offset
     at = 0
-    for b in range(nb):
-        if b and per_block[b]:
-            at += block_skew
-        for it in per_block[b]:
-            si, lane, rows, klen = it[0], it[1], it[3], it[5]
-            nbytes = rows * klen * 2 * (2 if st.segs[si]["SEG_W2"] else 1)
-            it[0], it[1] = si | (lane << 2), at // 16
-            at += nbytes
+    for it in items:
+        si, lane, rows, klen = it[0], it[1], it[3], it[5]
+        nbytes = rows * klen * 2 * (2 if st.segs[si]["SEG_W2"] else 1)
+        it[0], it[1] = si | (lane << 2), at // 16
+        at += nbytes
     plan = np.zeros(head + 8 * len(items), np.int32)
     plan[:nb + 1] = offs
     plan[nb + 1:2 * nb + 1] = lane0
@@ -704,7 +696,8 @@ def _k_cuts(chunks: int, max_chunks: int, kalign: int) -> list[int]:
     max_chunks each. kalign = 1: equal slices. kalign = 32: boundaries on multiples of 32 chunks
     (256 columns) where that fits, so that every consumer lane has a chunk in every step of the
     dot loop (matvec.cuh run_matvec: lane i takes chunks i, i + 32, ...); a slice of 85 chunks
-    takes 3 steps for 85/96 of the work."""
+    takes 3 steps for 85/96 of the work. (Aligned slices only where they are no more than the
+    equal cut's, e.g. 9 instead of 11 for down_proj's 16-row groups: level, session 18.)"""
     if kalign > 1 and max_chunks >= kalign and chunks % kalign == 0:
         units, per = chunks // kalign, max_chunks // kalign
         nsl = -(-units // per)
@@ -801,7 +794,7 @@ def pack_stage_weights(plan: np.ndarray, nb: int, segs: list, weight_bits) -> np
         return np.zeros(8, np.uint16)
     last = items[-1]
     total = last[2] * 8 + last[4] * last[6] * (2 if segs[last[0]]["SEG_W2"] else 1)
-    out = np.zeros(total, np.uint16)  # (zeros: the gaps a block skew leaves are never read)
+    out = np.empty(total, np.uint16)
     mats = {}
     for si, lane, off16, r0, rows, k0, klen, _, _ in items:
         sg = segs[si]

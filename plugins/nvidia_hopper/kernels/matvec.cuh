@@ -424,6 +424,18 @@ __device__ __noinline__ void lane_residual_tail(const float* fresh, float* x, co
 #ifndef MV_UNROLL
 #define MV_UNROLL 1
 #endif
+// A wide item's warp works as two half-warps, each on one pair of the warp's 4 rows with 16 lanes
+// over the row (K = 384: 48 chunks, 3 a lane). Until session 18 the whole warp took all 4 rows with
+// 32 lanes (2 chunks for lanes 0-15, 1 for the others): a lane did 8 dot products an item instead
+// of 6 and the epilogue reduced 4 values over 32 lanes (20 shuffles instead of 8), every item, since
+// a wide item is its row group's only k-slice. laneformer-2b's o_proj consumers took ~0.95 us an
+// item with its first items already landed (trace), against ~0.6 for its other stages' 30 KB
+// items; the half-warps: +0.5% on laneformer-2b (perf notes, session 18).
+__device__ __forceinline__ float half_warp_sum(float v) {  // within each 16-lane half
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
 
 // Rows r0 and (if vb) r1 of a row group, done: bias and residual added, written, and the LM head's
 // running (max, index) updated (NaN never wins; ties go to the lower index).
@@ -443,9 +455,9 @@ __device__ __forceinline__ void mv_emit_pair(float* out, int r0, int r1, bool vb
 // Warp w computes rows (2w, 2w+1) of an item, or gate/up row w of a pair item, accumulating over
 // the item's k-slices in registers (a row group's slices are consecutive items of one block), and
 // writes its outputs after the last slice. RG = 2 (a wide stage, never a pair): rows 4w .. 4w + 3,
-// as two pairs (the second pair's values are acc2, acc3; every wide item of three rows or more uses
-// it, so the small test models cover it). Every consumer thread releases every slot (empty
-// barrier: NT arrivals). run_matvec's item loop, inlined into it.
+// half-warp h the pair (4w + 2h, 4w + 2h + 1), written by its lane 0 (every wide item of three rows
+// or more has a second pair, so the small test models cover it). Every consumer thread releases
+// every slot (empty barrier: NT arrivals). run_matvec's item loop, inlined into it.
 template <int RG>
 __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nitems, int lane0, int K,
                                          int flags, int mode, const float* xs, float& best, int& bidx) {
@@ -453,10 +465,10 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
     u64 twait = 0;
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, ln = tid & 31;
+    const int hl = RG > 1 ? ln & 15 : ln;  // the lane within its half-warp (RG = 2) or warp
+    constexpr int LSTEP = RG > 1 ? 16 : 32;  // lanes over a row
     float acc0 = 0.f, acc1 = 0.f;
-    float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane 0)
-    float acc2 = 0.f, acc3 = 0.f, b2 = 0.f, b3 = 0.f, e2 = 0.f, e3 = 0.f;  // RG = 2: the second pair's
-    constexpr int R2 = 2;  // RG = 2: the second pair's rows follow the first's
+    float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane hl = 0)
     for (int j = 0; j < nitems; ++j, ++q) {
         const u32 slot = q % NSLOTS;
 #ifdef TRACE
@@ -469,54 +481,46 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
         const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
         const i64* sg = seg(st, h.x & 3);
         const bool pair = sg[SEG_W2] != 0;
-        const int ra = pair ? warp : 2 * RG * warp;       // row indices within the item
+        const int ra = pair ? warp : 2 * RG * warp + (RG > 1 ? 2 * (ln >> 4) : 0);  // row indices within the item
         const int rb = pair ? h.w + warp : ra + 1;
         const bool va = (pair ? warp : ra) < h.w, vb = pair ? va : rb < h.w;
-        const bool vc = RG > 1 && !pair && ra + R2 < h.w, vd = RG > 1 && !pair && rb + R2 < h.w;
         const int lane = h.x >> 2;
         const int r0 = h.z + ra, r1 = h.z + rb;
         // epilogue inputs of the row group, read with its first slice and used after its last (a
         // load's round trip grows with the bytes the ring has in flight: stream probe round 6)
         const u16* bias = (const u16*)sg[SEG_BIAS];
         const float* res = (const float*)sg[SEG_RES];
-        if ((g.z & IT_FIRST) && !pair && ln == 0 && va) {
+        if ((g.z & IT_FIRST) && !pair && hl == 0 && va) {
             if (bias) {
                 const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]);
-                if (vc) { b2 = bf2f(bb[r0 + R2]); if (vd) b3 = bf2f(bb[r1 + R2]); }
             }
             if (res) {
                 const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1);
-                if (vc) { e2 = ldf(rr + r0 + R2); if (vd) e3 = ldf(rr + r1 + R2); }
             }
         }
-        if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; if (RG > 1) { acc2 = 0.f; acc3 = 0.f; } }
+        if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; }
         if (va) {
             const int n8 = g.y >> 3;
             const uint4* wa = (const uint4*)ring_slot(q) + ra * n8;
             const uint4* wb = vb ? (const uint4*)ring_slot(q) + rb * n8 : wa;
             const float4* xl = (const float4*)(xs + g.w) + (g.x >> 3);
             const float4* xh = (const float4*)(xs + g.w + (K >> 1)) + (g.x >> 3);
-            // RG = 2: the second pair's rows (a row past the item reads row ra again, unwritten)
-            const uint4* wc = vc ? wa + R2 * n8 : wa;
-            const uint4* wd = vd ? wb + R2 * n8 : wa;
 #pragma unroll (RG > 1 ? WIDE_UNROLL : MV_UNROLL)
-            for (int i = ln; i < n8; i += 32) {
+            for (int i = hl; i < n8; i += LSTEP) {
                 const uint4 a = wa[i], b = DEBUG_DOT == 2 ? a : wb[i];
                 const float4 lo = DEBUG_DOT == 1 ? make_float4(1.f, 1.f, 1.f, 1.f) : xl[i];
                 const float4 hi = DEBUG_DOT == 1 ? make_float4(1.f, 1.f, 1.f, 1.f) : xh[i];
                 acc0 = dot8s(a, lo, hi, acc0);
                 if (DEBUG_DOT == 2) acc1 = acc0; else acc1 = dot8s(b, lo, hi, acc1);
-                if (RG > 1) { const uint4 cw = wc[i], dw = wd[i]; acc2 = dot8s(cw, lo, hi, acc2); acc3 = dot8s(dw, lo, hi, acc3); }
             }
         }
         // every consumer thread releases the slot itself: an arrive orders only its own thread's
         // reads before the next bulk copy into the slot (a warp-level sync + one arrive does not)
         mbar_arrive(&empty_bar[slot]);
         if (!(g.z & IT_LAST)) continue;
-        acc0 = warp_sum(acc0);
-        acc1 = warp_sum(acc1);
-        if (RG > 1) { acc2 = warp_sum(acc2); acc3 = warp_sum(acc3); }
-        if (ln != 0 || !va) continue;
+        if (RG > 1) { acc0 = half_warp_sum(acc0); acc1 = half_warp_sum(acc1); }
+        else { acc0 = warp_sum(acc0); acc1 = warp_sum(acc1); }
+        if (hl != 0 || !va) continue;
 #if DEFER_NORM
         if (mode & IN_NORM) {  // the deferred norm: d of this row group's input row (its lane)
             const float* pss = s_normsq + (lane - lane0) * NW;
@@ -526,7 +530,6 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
             const float d = sqrtf(tot / (float)K + fslot(st, MV_EPS));
             acc0 = __fdiv_rn(acc0, d);
             acc1 = __fdiv_rn(acc1, d);
-            if (RG > 1) { acc2 = __fdiv_rn(acc2, d); acc3 = __fdiv_rn(acc3, d); }
         }
 #endif
         float* out = (float*)sg[SEG_OUT] + lane * sg[SEG_OUTL];
@@ -538,8 +541,6 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
             continue;
         }
         mv_emit_pair(out, r0, r1, vb, acc0, acc1, b0, b1, e0, e1, bias, res, flags, best, bidx);
-        if (RG > 1 && vc)  // the second pair
-            mv_emit_pair(out, r0 + R2, r1 + R2, vd, acc2, acc3, b2, b3, e2, e3, bias, res, flags, best, bidx);
     }
 #ifdef TRACE
     if (c.tr && threadIdx.x == 0) c.tr[8] = twait;
@@ -611,6 +612,13 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
     mv_items<1>(c, q, st, nitems, lane0, K, flags, mode, xs, best, bidx);
     q_io = q;
     if (flags & MVF_ARGMAX) {  // one (max, index) partial per block
+#if WIDE_ITEMS
+        {  // a wide stage's second half-warp wrote its rows from lane 16 (elsewhere it holds no row)
+            const float ob = __shfl_down_sync(0xffffffffu, best, 16);
+            const int oi = __shfl_down_sync(0xffffffffu, bidx, 16);
+            if (ob > best || (ob == best && oi < bidx)) { best = ob; bidx = oi; }
+        }
+#endif
         if (ln == 0) { s_best[warp] = best; s_bidx[warp] = bidx; }
         csync();
         if (tid == 0) {
