@@ -1143,3 +1143,131 @@ def test_rows_dealt_lane_by_lane_cover_every_weight_once(pad):
             before = S.stream_plan(st, 132, 10, 31744, None, 32)[0]
             st.f["_lane_major"], st.f["_lane_pad"] = 1, pad
             assert (S.stream_plan(st, 132, 10, 31744, None, 32)[0] == before).all()
+
+
+def _small_llama_program(**overrides):
+    """A small Llama decode program (hidden 256, intermediate 512, 3 layers) for lowering tests."""
+    from kog_moe_standard_tp.llama import Llama
+    cfg = dict(model_type="llama", hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1000,
+               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg.update(overrides)
+    return Llama(cfg).lower(context_length=512, kv_dtype="bf16")
+
+
+def test_splitk_down_fuses_every_mlp_and_marks_the_pending_residuals_readers():
+    """KOG_HOPPER_SPLITK_DOWN (schedule.fuse_down_splitk) on bench-2b: each layer's gate/up and
+    down_proj become one stage (132 -> 106 stages); the next layer's q/k/v loader adds that
+    layer's accumulator (pending input) and its o_proj's residual does (and writes x); the last
+    layer's pending sum is read by the LM head's loader; nothing else reads x in between."""
+    from kog_nvidia_hopper import schedule as S
+    prog = _bench2b_program()
+    stages = S.lower(prog, 132, 320, 1)
+    assert len(stages) == 132
+    assert S.fuse_down_splitk(prog, stages, 320) == 26 and len(stages) == 106
+    fused = [i for i, st in enumerate(stages) if st.f.get("_splitk")]
+    assert [stages[i].f["_acc"] for i in fused] == list(range(26))
+    for k, i in enumerate(fused):
+        st = stages[i]
+        assert st.label == "gate_proj+up_proj+down" and len(st.segs) == 2
+        assert st.segs[1]["_splitk"] and st.segs[1]["_k"] == 8192 and st.segs[1]["SEG_N"] == 2048
+        assert st.f["MV_ACC_D"] == 2048 and S.stage_weight_bytes(st) == 3 * 2048 * 8192 * 2
+        readers = [(j, stages[j].label) for j in range(len(stages))
+                   if stages[j].f.get("_pend_in") == k or stages[j].f.get("_pend_res") == k]
+        if k < 25:
+            assert readers == [(i + 1, "q_proj+k_proj+v_proj"), (i + 3, "o_proj")]
+            assert stages[i + 1].f["_pend_in"] == k and stages[i + 3].f["_pend_res"] == k
+        else:
+            assert readers == [(i + 1, "lm_head")] and stages[i + 1].f["MV_IN_MODE"] == S.CONSTS["IN_NORM"]
+    # every program op is still covered once
+    covered = sorted(j for st in stages for j in st.ops)
+    assert covered == sorted(set(covered))
+
+
+def test_splitk_down_refuses_where_the_pending_residual_has_another_reader():
+    """A layer whose x is read by an elementwise op before o_proj writes it keeps its two stages
+    (the other layers still fuse); a model with lanes (Laneformer) fuses nothing."""
+    from kog_core.program import Op
+    from kog_nvidia_hopper import schedule as S
+    prog = _small_llama_program()
+    downs = [j for j, op in enumerate(prog.ops) if op.kind == "matvec" and "down_proj" in op.inputs[1]]
+    prog.add_tensor("x_copy", (1, 256), "f32", "buffer")
+    prog.ops.insert(downs[1] + 1, Op("copy", ["x"], ["x_copy"], 1, {}))
+    stages = S.lower(prog, 7, 128, 1)
+    n = len(stages)
+    assert S.fuse_down_splitk(prog, stages, 128) == 2 and len(stages) == n - 2
+    labels = [st.label for st in stages]
+    assert labels.count("gate_proj+up_proj+down") == 2 and "down_proj" in labels
+    lf = _laneformer2b_program()
+    stages = S.lower(lf, 132, 320, 1)
+    assert S.fuse_down_splitk(lf, stages, 320) == 0
+    # a hidden size past the pending loader's reach (8 values a consumer thread)
+    big = _small_llama_program(hidden_size=4096, num_attention_heads=64, num_key_value_heads=8)
+    stages = S.lower(big, 7, 320, 1)
+    assert S.fuse_down_splitk(big, stages, 320) == 0
+
+
+def test_splitk_down_plan_and_packed_weights_compute_the_mlp():
+    """Emulates a split-K stage from its plan and packed weights as the kernel walks them (each
+    block: gate/up items -> SwiGLU values of its rows, then its down items -> a partial of every
+    output, summed in 2^-32 fixed point) and compares W_d (silu(W_g x) * W_u x) in float64. Every
+    block's down rows are its gate/up rows, its down items come last, and binfo's word says how
+    many and from which row."""
+    import ml_dtypes
+    from kog_nvidia_hopper import schedule as S
+    prog = _small_llama_program()
+    nb, nw, slot = 7, 4, 4096
+    stages = S.lower(prog, nb, 32 * nw, 1)
+    assert S.fuse_down_splitk(prog, stages, 32 * nw) == 3
+    st = next(st for st in stages if st.f.get("_splitk"))
+    D, F = 256, 512
+    rng = np.random.default_rng(1)
+    names = {"gate": st.segs[0]["SEG_W"][1:], "up": st.segs[0]["SEG_W2"][1:], "down": st.segs[1]["SEG_W"][1:]}
+    shapes = {"gate": (F, D), "up": (F, D), "down": (D, F)}
+    bits = {names[k]: rng.standard_normal(shapes[k]).astype(ml_dtypes.bfloat16).view(np.uint16) for k in names}
+    W = {k: bits[names[k]].view(ml_dtypes.bfloat16).astype(np.float64) for k in names}
+    plan, _ = S.stream_plan(st, nb, nw, slot, None, 32)
+    packed = S.pack_stage_weights(plan, nb, st.segs, lambda n: bits[n]).view(ml_dtypes.bfloat16).astype(np.float64)
+    its = S.plan_items(plan, nb)
+    offs = plan[:nb + 1]
+    info = S.splitk_block_info(its, offs, st.segs, nb)
+    x = rng.standard_normal(D)
+    acc = np.zeros(D, np.int64)
+    seen = np.zeros(F, int)
+    for b in range(nb):
+        mine = its[offs[b]:offs[b + 1]]
+        ndown, rbase = int(info[b]) & 0xff, int(info[b]) >> 8
+        assert ndown and (mine[-ndown:, 0] == 1).all() and (mine[:-ndown, 0] == 0).all()
+        g, u, h = {}, {}, {}
+        part = np.zeros(D)
+        for si, lane, off16, r0, rows, k0, klen, flags, _ in mine:
+            at = off16 * 8
+            if si == 0:
+                wg = packed[at:at + rows * klen].reshape(rows, klen)
+                wu = packed[at + rows * klen:at + 2 * rows * klen].reshape(rows, klen)
+                for i in range(rows):
+                    g[r0 + i] = g.get(r0 + i, 0.0) + wg[i] @ x[k0:k0 + klen]
+                    u[r0 + i] = u.get(r0 + i, 0.0) + wu[i] @ x[k0:k0 + klen]
+                    if flags & 2:
+                        h[r0 + i] = g[r0 + i] / (1 + np.exp(-g[r0 + i])) * u[r0 + i]
+            else:
+                assert k0 == 0 and klen == D and rows * klen * 2 <= slot
+                wt = packed[at:at + rows * klen].reshape(rows, D)
+                for i in range(rows):
+                    part += h[r0 + i] * wt[i]
+                    seen[r0 + i] += 1
+        assert min(h) == rbase and sorted(h) == list(range(rbase, rbase + len(h)))
+        acc += np.rint(part * 2.0 ** S.FIX_BITS).astype(np.int64)
+    assert (seen == 1).all()
+    gv, uv = W["gate"] @ x, W["up"] @ x
+    want = W["down"] @ (gv / (1 + np.exp(-gv)) * uv)
+    got = acc / 2.0 ** S.FIX_BITS
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def test_splitk_down_build_compiles_clean_and_only_where_asked():
+    """The SPLITK_DOWN build compiles for sm_90a without spills; its code exists only in it."""
+    consts = dict(_bench2b_shape_consts())
+    cubin, log, rep = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1)
+    default, _, _ = _compile(**DEFAULT, **consts)
+    assert _code_bytes(default) < _code_bytes(cubin)

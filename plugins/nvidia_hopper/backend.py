@@ -146,6 +146,13 @@ class HopperBackend(KernelBackend):
         # 0: elementwise stages
         fuse_lr = bool(_env_int("KOG_HOPPER_FUSE_LANE_RESIDUAL", 1, lo=0, hi=1))
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs, fuse_lane_residual=fuse_lr)
+        # KOG_HOPPER_SPLITK_DOWN (an experiment, off): gate/up and down_proj as one stage, down_proj
+        # split over the blocks' gate/up rows and summed in 64-bit fixed point with integer atomics
+        # (exact, so seeded runs still repeat); the residual stays pending until o_proj writes it
+        # (schedule.fuse_down_splitk). One grid-wide boundary and one 32 KB input row less a layer.
+        self.splitk = S.fuse_down_splitk(program, stages, self.nt) if _env_int("KOG_HOPPER_SPLITK_DOWN", 0, lo=0, hi=1) else 0
+        if self.splitk and _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1):
+            raise KogError("KOG_HOPPER_SPLITK_DOWN=1 adds its pending sums on the register path: unset KOG_HOPPER_X_CPASYNC")
         # attention tiles to aim for (attention_plan.cuh att_chunks; default one per block): fewer, longer
         # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8);
         # more than one per block gives blocks a second tile, whose code has just run (the trace
@@ -248,6 +255,7 @@ class HopperBackend(KernelBackend):
         # +0.17%, bench-2b +0.15%; 4: bench-2b -0.6%): fewer copies queued in front of every load
         max_slots = _env_int("KOG_HOPPER_SLOTS", S.DEFAULT_SLOTS, lo=2, hi=S.MAX_SLOTS)
         slot_bytes, plans, scratch = self._ring_slots(stages, item_rows, wide, max_slots)
+        self.d_acc, self.acc_bytes = self._splitk_accumulators(stages)
         streamed = []
         for si, st in enumerate(stages):
             if st.type == "matvec":
@@ -322,6 +330,8 @@ class HopperBackend(KernelBackend):
             variant["LANES_LOAD"] = 1
         if tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
+        if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (an experiment)
+            variant["SPLITK_DOWN"] = 1
         if self.sample_grid:
             variant.update(SAMPLE_GRID=1, SAMPLE_EPT=self.sample_ept)
         # the dynamic shared memory (and so every ring slot) on a fixed boundary, not wherever the
@@ -382,6 +392,24 @@ class HopperBackend(KernelBackend):
         self.cancel_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cancel))
         self.pos = 0
 
+    def _splitk_accumulators(self, stages) -> tuple[int, int]:
+        """The split-K stages' fixed-point accumulators (schedule.fuse_down_splitk): [2][D] int64 each,
+        one allocation the launch zeroes; their addresses go into the fused stages (MV_ACC) and their
+        readers (MV_PEND, MV_RES_PEND). Returns (device address, bytes); (0, 0) without such stages."""
+        sizes = {st.f["_acc"]: 2 * int(st.f["MV_ACC_D"]) * 8 for st in stages if "_acc" in st.f}
+        if not sizes:
+            return 0, 0
+        offs, at = {}, 0
+        for k in sorted(sizes):
+            offs[k], at = at, at + sizes[k]
+        base = self._alloc(at)
+        check(self.drv.cuMemsetD32(base, 0, at // 4), "cuMemsetD32(split-K accumulators)")
+        for st in stages:
+            for key, slot in (("_acc", "MV_ACC"), ("_pend_in", "MV_PEND"), ("_pend_res", "MV_RES_PEND")):
+                if key in st.f:
+                    st.f[slot] = base + offs[st.f[key]]
+        return base, at
+
     def _ring_slots(self, stages, item_rows, wide=False, max_slots=S.DEFAULT_SLOTS):
         """The ring's slot size, every matvec stage's stream plan for it, and the shared memory the
         stages need before the ring (each matvec stage's `smem` is set here: its x rows, plus the
@@ -398,6 +426,8 @@ class HopperBackend(KernelBackend):
             stages[si].smem = S.x_scratch(stages[si], self.nb) + (at.f["AT_H"] * at.f["AT_MAXCH"] * 8 + 16 if at else 0)
             if self.norm_smem and int(stages[si].f["MV_IN_MODE"]) & S.CONSTS["IN_NORM"]:
                 stages[si].smem += int(stages[si].f["MV_K"]) * 2  # NORM_SMEM: the norm weights after the x rows
+            if stages[si].f.get("_splitk"):  # then the block's SwiGLU values (matvec.cuh run_matvec)
+                stages[si].smem += S.splitk_rows(stages[si], self.nb) * 4
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
@@ -484,6 +514,8 @@ class HopperBackend(KernelBackend):
             run[R["R_TRACE_IT0"]] = self.trace_it0
         check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
         check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
+        if self.d_acc:  # split-K accumulators: parity 0 starts at zero (each token zeroes the other for the next)
+            check(drv.cuMemsetD32(self.d_acc, 0, self.acc_bytes // 4), "cuMemsetD32(split-K accumulators)")
         for name, numel in self.tagged.items():  # TAG_DOWN: every value's parity bit says "not yet written" to write 0
             check(drv.cuMemsetD32(self.ptr[name], 1, numel), "cuMemsetD32(tagged)")
         self.cnt_view[0] = 0

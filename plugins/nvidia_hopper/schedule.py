@@ -34,6 +34,7 @@ SLOTS = dict(
     MV_K=2, MV_FLAGS=4, MV_IN_MODE=5, MV_IN=6, MV_NORM_W=7, MV_NORM_WL=8,
     MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_OUT_STRIDE=15, MV_SEG0=16,
     MV_PACKED=65, MV_ATTN=66, MV_TAG=67,
+    MV_ACC=68, MV_PEND=69, MV_RES_PEND=70, MV_ACC_D=71,  # split-K down_proj (fuse_down_splitk)
     SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
     SEG_RESL=8, SEG_W2=9, SEG_LRX=10, SEG_LRD=11,
     # attention
@@ -53,7 +54,7 @@ CONSTS = dict(
     SG_ROUNDS=24,  # the grid sampler's rounds a token at most (sample_grid.cuh: 3 selects of 8 passes)
     SAMPLE_CAP=2048,  # block 0's sampler (sample.cuh radix_select): candidates listed in shared memory once that few
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
-    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32,
+    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
     OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
 )
@@ -542,6 +543,131 @@ def fuse_attention_combine(P, stages) -> None:
         mv.f["_attn_stage"] = i
 
 
+SPLITK_PEND_V = 2  # matvec.cuh PEND_V: float4s of a pending input row a thread loads (K <= 8 x consumer threads)
+FIX_BITS = 32      # matvec.cuh f2fix: the split-K partials' fixed point, 2^-32 (|sum| < 2^31)
+
+
+def fuse_down_splitk(P, stages, nt: int) -> int:
+    """KOG_HOPPER_SPLITK_DOWN (an experiment, off): gate/up and down_proj as one stage, so a layer's
+    MLP has one grid-wide boundary instead of two and down_proj loads no 8k-float input row.
+
+    Each block keeps its SwiGLU values h[J_b] (its gate/up rows) in shared memory and then streams
+    the same rows of down_proj's transpose, W_d[:, J_b]^T: a partial W_d[:, J_b] h[J_b] of every
+    output. The partials are summed in 64-bit fixed point (FIX_BITS) with integer atomics into an
+    accumulator [2][D] of the stage (parity: the token), so the sum is exact and does not depend on
+    the order the blocks add in (seeded runs repeat bit for bit). The residual x is not updated
+    here: x + acc is *pending* until a later matvec stage's residual epilogue writes x (o_proj),
+    and every reader in between adds acc itself (an input loader, MV_PEND; a residual, MV_RES_PEND).
+    Each block zeroes its slice of the other parity's accumulator, which the previous token's
+    readers have finished with, for the next token.
+
+    A (gate/up stage, down stage) pair fuses when: gate/up is one unlaned pair segment, down reads
+    only its SwiGLU output as a plain input and adds the residual x in place (x += W_d h), and every
+    stage until x is written again reads x only as a loader (K = D <= 8 nt) or as a residual that
+    it also writes; a pending x still unwritten at the end of the token must be the one the next
+    token's embedding overwrites (stage 0). Pairs are decided last to first (a later fused pair is
+    not a writer of x). Mutates `stages`: the down stage goes, its ops join the gate/up stage, whose
+    segments gain the down segment (`_splitk`: its rows are dealt with the pair's, stream_plan).
+    Fused stages get f["_acc"] = k (accumulator k, [2][D] int64, the backend allocates), readers
+    f["_pend_in"] / f["_pend_res"] = k. Returns the number of fused stages."""
+    def refs(st, name):
+        """Fields of a stage that name tensor `name`: (field, value) of st.f and of every segment."""
+        tag = "@" + name
+        out = [(k, v) for k, v in st.f.items() if v == tag]
+        for sg in st.segs:
+            out += [(k, v) for k, v in sg.items() if k.startswith("SEG_") and v == tag]
+        return out
+
+    def pair_down(i):
+        """(x, D) when stages i, i + 1 are a gate/up stage and its down_proj that may fuse, else None."""
+        if i + 1 >= len(stages):
+            return None
+        st, nx = stages[i], stages[i + 1]
+        if st.type != "matvec" or nx.type != "matvec" or len(st.segs) != 1 or len(nx.segs) != 1:
+            return None
+        g, d = st.segs[0], nx.segs[0]
+        if not g["SEG_W2"] or g["lanes"] != 1 or st.f["MV_L"] != 1 or st.f["MV_IN_MODE"] & CONSTS["IN_EMBED"]:
+            return None
+        h, x = g["out_name"], d["out_name"]
+        if (nx.f["MV_IN"] != "@" + h or nx.f["MV_IN_MODE"] != 0 or d["SEG_W2"] or d["SEG_BIAS"] or d["lanes"] != 1
+                or d["SEG_RES"] != "@" + x or len(P.tensors[x].shape) > 2 or P.tensors[x].shape[0] != 1):
+            return None
+        readers = _readers(P.ops, max(st.ops), h)
+        if not readers or not set(readers) <= set(nx.ops):
+            return None
+        D = int(d["SEG_N"])
+        if D % 8 or D > 4 * SPLITK_PEND_V * nt:  # a pending row: PEND_V float4s a consumer thread
+            return None
+        return x, D
+
+    def readers_until_written(i, x, D, fused_downs):
+        """(loader readers, residual readers) of the pending x after the pair at i, i + 1, or None."""
+        loads, resid = [], []
+        for j in list(range(i + 2, len(stages))) + [None]:
+            if j is None:  # the token's end: the next token's embedding must overwrite x first
+                s0 = stages[0]
+                ok = (s0.type == "matvec" and s0.f["MV_IN_MODE"] & CONSTS["IN_EMBED"] and s0.f.get("MV_EMB_OUT") == "@" + x)
+                return (loads, resid) if ok else None
+            st = stages[j]
+            r = refs(st, x)
+            if not r:
+                continue
+            if st.type != "matvec" or j in fused_downs:
+                return None
+            kinds = {k for k, _ in r}
+            if kinds - {"MV_IN", "SEG_RES", "SEG_OUT"}:
+                return None
+            if "MV_IN" in kinds:
+                if st.f["MV_IN_MODE"] not in (0, CONSTS["IN_NORM"]) or st.f["MV_L"] != 1 or int(st.f["MV_K"]) != D:
+                    return None
+                loads.append(j)
+            if {"SEG_RES", "SEG_OUT"} & kinds:
+                segs = [sg for sg in st.segs if "@" + x in (sg["SEG_RES"], sg["SEG_OUT"])]
+                if len(segs) != 1 or segs[0]["SEG_RES"] != "@" + x or segs[0]["SEG_OUT"] != "@" + x:
+                    return None  # x written without its pending sum, or read twice
+                resid.append(j)
+                return loads, resid  # x written: no longer pending
+        return None
+
+    fused = []  # (gate/up stage index, D, loaders, residuals), last pair first
+    fused_downs: set[int] = set()
+    for i in range(len(stages) - 2, -1, -1):
+        pd = pair_down(i)
+        if pd is None or i + 1 in fused_downs or i in fused_downs:
+            continue
+        x, D = pd
+        rd = readers_until_written(i, x, D, fused_downs)
+        if rd is None:
+            continue
+        fused.append((i, D, *rd))
+        fused_downs.add(i + 1)
+    if not fused:
+        return 0
+    for k, (i, D, loads, resid) in enumerate(sorted(fused)):
+        st, nx = stages[i], stages[i + 1]
+        d = dict(nx.segs[0])
+        d.update(SEG_OUT=0, SEG_RES=0, SEG_RESL=0, _splitk=True, _k=int(st.segs[0]["SEG_N"]))
+        st.segs.append(d)
+        st.ops = sorted(set(st.ops) | set(nx.ops))
+        st.label += "+down"
+        st.f.update(_acc=k, _splitk=True, MV_ACC_D=D)
+        for j in loads:
+            stages[j].f.update(_pend_in=k, MV_ACC_D=D)
+        for j in resid:
+            stages[j].f.update(_pend_res=k, MV_ACC_D=D)
+    for i in sorted(fused_downs, reverse=True):
+        del stages[i]
+    return len(fused)
+
+
+def splitk_rows(st: "Stage", nb: int) -> int:
+    """The most gate/up rows one block of a split-K stage takes (its SwiGLU values in shared memory)."""
+    most = 0
+    for si, *_, b, r0, r1 in _deal_rows(st, nb):
+        most = max(most, r1 - r0)
+    return most
+
+
 def _finish(P, stages):
     """Which matvec stages prompt positions may skip (the LM head)."""
     # the stage writing the logits: argmax partials for greedy, prompt positions skip it
@@ -578,7 +704,7 @@ def _deal_rows(st: Stage, nb: int):
     every change of lane, so a block that loads two lanes' input rows gets fewer weight rows.
     Without lanes both orders are the same."""
     runs = [(si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"]))  # (segment, lane, rows, pair)
-            for si, sg in enumerate(st.segs) for lane in range(sg["lanes"])]
+            for si, sg in enumerate(st.segs) if not sg.get("_splitk") for lane in range(sg["lanes"])]
     if st.f.get("_lane_major"):
         runs.sort(key=lambda run: run[1])  # stable: each lane's segments stay in order
     pad = int(st.f.get("_lane_pad", 0)) if st.f.get("_lane_major") else 0
@@ -622,7 +748,8 @@ def stage_weight_bytes(st: Stage) -> int:
     if st.type != "matvec":
         return 0
     K = int(st.f["MV_K"])
-    return sum(int(sg["SEG_N"]) * int(sg.get("lanes", 1)) * K * 2 * (2 if sg.get("SEG_W2") else 1) for sg in st.segs)
+    return sum(int(sg["SEG_N"]) * int(sg.get("lanes", 1)) * int(sg.get("_k", K)) * 2 * (2 if sg.get("SEG_W2") else 1)
+               for sg in st.segs)
 
 
 def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | None = None,
@@ -660,6 +787,9 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
             for i in range(nsl):
                 flags = (1 if i == 0 else 0) | (2 if i == nsl - 1 else 0)
                 per_block[int(b)].append([si, lane, a, z - a, cuts[i] * 8, (cuts[i + 1] - cuts[i]) * 8, flags, 0])
+    for si, sg in enumerate(st.segs):  # a split-K down_proj (fuse_down_splitk): after each block's gate/up items
+        if sg.get("_splitk"):
+            _splitk_items(per_block, si, int(sg["SEG_N"]), slot_bytes)
     head = (3 * nb + 4) & ~3
     offs, lane0, nl, items = [0], [], [], []
     xbytes = 0
@@ -689,6 +819,29 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     if items:
         plan[head:] = np.asarray(items, np.int64).ravel()
     return plan, xbytes
+
+
+def _splitk_items(per_block: list, si: int, D: int, slot_bytes: int) -> None:
+    """A split-K stage's down_proj items: for each block, the rows of W_d^T matching its gate/up rows
+    (segment 0, one contiguous range), whole rows of D columns, as few items as fit a slot each,
+    cut evenly; IT_FIRST / IT_LAST mark the block's first and last down item."""
+    per = slot_bytes // (D * 2)
+    if per < 1:
+        raise ValueError(f"stream_plan: a split-K down_proj row of {D} values does not fit a {slot_bytes}-byte slot")
+    for its in per_block:
+        groups = sorted({(it[2], it[3]) for it in its if it[0] == 0})  # the block's gate/up row groups
+        if not groups:
+            continue
+        a, z = groups[0][0], groups[0][0]
+        for r, n in groups:
+            if r != z:
+                raise ValueError("stream_plan: a block's gate/up rows of a split-K stage are not contiguous")
+            z = r + n
+        ng = -(-(z - a) // per)
+        edges = [a + (z - a) * g // ng for g in range(ng + 1)]
+        for g in range(ng):
+            flags = (1 if g == 0 else 0) | (2 if g == ng - 1 else 0)
+            its.append([si, 0, edges[g], edges[g + 1] - edges[g], 0, D, flags, 0])
 
 
 def _k_cuts(chunks: int, max_chunks: int, kalign: int) -> list[int]:
@@ -740,6 +893,8 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
         binfo[si, :, 1] = plan[nb + 1:2 * nb + 1]
         binfo[si, :, 2] = plan[2 * nb + 1:3 * nb + 1]
         binfo[si, :, 3] = lane_residual_rows(its, offs, segs, nb)
+        if any(sg.get("_splitk") for sg in segs):
+            binfo[si, :, 3] = splitk_block_info(its, offs, segs, nb)
         flags = (1 if mv_flags & 2 else 0) | (2 if mv_flags & 1 else 0) | (si << 8)
         for b in range(nb):
             for j in range(offs[b], offs[b + 1]):
@@ -785,6 +940,25 @@ def lane_residual_rows(its: np.ndarray, offs: np.ndarray, segs: list, nb: int) -
     return out
 
 
+def splitk_block_info(its: np.ndarray, offs: np.ndarray, segs: list, nb: int) -> np.ndarray:
+    """binfo's fourth field of a split-K stage (fuse_down_splitk): for each block, its down_proj
+    items (the last of its items) | its first gate/up row << 8 (matvec.cuh run_matvec: SwiGLU value
+    r of the stage lives at hs[r - first row])."""
+    sk = next(i for i, sg in enumerate(segs) if sg.get("_splitk"))
+    out = np.zeros(nb, np.int64)
+    for b in range(nb):
+        mine = its[offs[b]:offs[b + 1]]
+        down = mine[mine[:, 0] == sk]
+        if not len(down):
+            continue
+        if len(down) >= 256 or int(down[:, 3].min()) >= 1 << 23:
+            raise CapabilityError("nvidia_hopper: a split-K stage needs fewer than 256 down items and 2^23 rows a block")
+        if not (mine[-len(down):, 0] == sk).all():
+            raise CapabilityError("nvidia_hopper: a block's split-K down items must follow its gate/up items")
+        out[b] = len(down) | int(down[:, 3].min()) << 8
+    return out
+
+
 def pack_stage_weights(plan: np.ndarray, nb: int, segs: list, weight_bits) -> np.ndarray:
     """The stage's matvec weights (bf16 bits) in the order the producer streams them: item after
     item, each `rows x klen` of W (row-major), then the same rows of W2 for a gate/up pair.
@@ -805,7 +979,10 @@ def pack_stage_weights(plan: np.ndarray, nb: int, segs: list, weight_bits) -> np
                 mats[name] = weight_bits(name)
             w = mats[name]
             w = w[lane] if w.ndim == 3 else w
-            out[at:at + rows * klen] = w[r0:r0 + rows, k0:k0 + klen].ravel()
+            if sg.get("_splitk"):  # down_proj's transpose: item rows are W_d's columns (fuse_down_splitk)
+                out[at:at + rows * klen] = w[k0:k0 + klen, r0:r0 + rows].T.ravel()
+            else:
+                out[at:at + rows * klen] = w[r0:r0 + rows, k0:k0 + klen].ravel()
             at += rows * klen
     return out
 
@@ -824,5 +1001,7 @@ def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, logits_n
             st.f["MV_ARGMAX"] = argmax_alloc(nb)
     if st.f.get("_skip"):
         flags |= 2
+    if st.f.get("_splitk"):
+        flags |= CONSTS["MVF_SPLITK"]
     st.f["MV_FLAGS"] = flags
     return st

@@ -298,6 +298,35 @@ def test_tag_down_matches_reference(name, monkeypatch):
         hb.close()
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+def test_splitk_down_matches_reference(name, monkeypatch):
+    """KOG_HOPPER_SPLITK_DOWN=1 (an experiment, session 19): gate/up and down_proj in one stage,
+    down_proj's partials summed in fixed point by integer atomics and the residual pending until
+    o_proj. Logits at every position and greedy tokens match the reference over several launches
+    (each starts its accumulators at zero), seeded sampling repeats (an exact, order-free sum),
+    and every layer's MLP is fused (one stage fewer a layer)."""
+    if name not in SMALL:
+        pytest.skip(f"no small model {name!r}")
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_DOWN", "1")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("SPLITK_DOWN") == 1 and hb.splitk == prog.n_layers
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+        if name == "llama":
+            _assert_sampling_seeded_and_as_defined(hb)
+    finally:
+        hb.close()
+
+
+@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
+def test_splitk_down_on_the_benchmark_presets(preset, monkeypatch):
+    """KOG_HOPPER_SPLITK_DOWN=1 at the presets' own shapes (D = 2048: two 8-value groups for some
+    consumer threads' neighbours, 9 down items a block): as test_benchmark_preset_matches_reference."""
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_DOWN", "1")
+    test_benchmark_preset_matches_reference(preset)
+
+
 @pytest.mark.parametrize("name", ["laneformer-lane", "laneformer-replicate"])
 def test_rows_dealt_lane_by_lane_match_reference(name, monkeypatch):
     """KOG_HOPPER_LANE_MAJOR=1 with KOG_HOPPER_LANE_PAD_ROWS=8 (experiments, session 15): the rows

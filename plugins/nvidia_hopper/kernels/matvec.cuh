@@ -102,6 +102,45 @@ __shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]:
 #error "DEFER_NORM multiplies by the norm weights on the register path only: not with X_CPASYNC"
 #endif
 
+// SPLITK_DOWN (an experiment, off; KOG_HOPPER_SPLITK_DOWN=1; schedule.fuse_down_splitk): gate/up and
+// down_proj as one stage. A block keeps its SwiGLU values in shared memory and streams the same rows
+// of down_proj's transpose, then adds its partial of every output to the stage's accumulator in
+// 64-bit fixed point (2^-32) with integer atomics: an exact sum, whatever order the blocks add in.
+// The residual x + acc stays pending until a later stage's residual epilogue writes x; loaders
+// (MV_PEND) and residuals (MV_RES_PEND) in between add acc themselves. acc is [2][D], by the token's
+// parity; each block zeroes its slice of the other parity for the next token.
+#ifndef SPLITK_DOWN
+#define SPLITK_DOWN 0
+#endif
+#define PEND_V 2  // float4s of a pending input row per thread (schedule.SPLITK_PEND_V: K <= 8 NT)
+#if SPLITK_DOWN && X_CPASYNC
+#error "SPLITK_DOWN adds the pending sums on the register path only: not with X_CPASYNC"
+#endif
+__device__ __forceinline__ i64 f2fix(float v) {  // round to nearest in units of 2^-32 (schedule.FIX_BITS)
+    i64 r;
+    asm("cvt.rni.s64.f32 %0, %1;" : "=l"(r) : "f"(v * 4294967296.0f));
+    return r;
+}
+__device__ __forceinline__ float fix2f(i64 v) {
+    float r;
+    asm("cvt.rn.f32.s64 %0, %1;" : "=f"(r) : "l"(v));
+    return r * 2.3283064365386963e-10f;  // 2^-32: exact
+}
+__device__ __forceinline__ void red_add_i64(i64* p, i64 v) {  // two's complement: the u64 add is the s64 add
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+struct I64x2 { i64 a, b; };
+__device__ __forceinline__ I64x2 ldcg_i64x2(const i64* p) {  // written inside the launch: at L2
+    I64x2 r;
+    asm volatile("ld.global.cg.v2.s64 {%0,%1}, [%2];" : "=l"(r.a), "=l"(r.b) : "l"(p));
+    return r;
+}
+// The accumulator of this token's parity (MV_ACC, MV_PEND or MV_RES_PEND: [2][D] int64)
+__device__ __forceinline__ const i64* acc_of(const i64* st, int slot, int it) {
+    const i64* a = (const i64*)st[slot];
+    return a ? a + (it & 1) * st[MV_ACC_D] : nullptr;
+}
+
 // NORM_RCP (the backend sets it by default since v18b; KOG_HOPPER_NORM_RCP=0 for the division):
 // the normalise pass divides by d through d's correctly rounded reciprocal r and one FMA residual
 // (Markstein): q = x r, x / d = q + (x - q d) r, rounded once; the correctly rounded quotient for
@@ -160,6 +199,18 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                 ss = add_sq4(*x_f4(x, K, i), ss);
             }
     } else {  // the register path: XV float4 per thread in flight, then stored
+#if SPLITK_DOWN
+        // a pending sum (MV_PEND): its float4s' accumulators in flight with the row's (K4 <= PEND_V NT)
+        const i64* pend = acc_of(st, MV_PEND, c.it);
+        I64x2 pa[PEND_V][2];
+        if (pend) {
+#pragma unroll
+            for (int u = 0; u < PEND_V; ++u) {
+                const int i = u * NT + tid;
+                if (i < K4) { pa[u][0] = ldcg_i64x2(pend + 4 * i); pa[u][1] = ldcg_i64x2(pend + 4 * i + 2); }
+            }
+        }
+#endif
         for (int base = 0; base < K4; base += XV * NT) {
             float4 v[XV];
 #pragma unroll
@@ -180,6 +231,12 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
                 if (i < K4) {
+#if SPLITK_DOWN
+                    if (pend && u < PEND_V && base == 0) {  // x + acc: the residual as it stands
+                        v[u].x += fix2f(pa[u][0].a); v[u].y += fix2f(pa[u][0].b);
+                        v[u].z += fix2f(pa[u][1].a); v[u].w += fix2f(pa[u][1].b);
+                    }
+#endif
                     ss = add_sq4(v[u], ss);
                     if (defer) mul_w4(v[u], norm_w4(nws, wpre, nw, i, u));  // x * w now, the division by d in the epilogue
                     *x_f4(x, K, i) = v[u];
@@ -458,9 +515,11 @@ __device__ __forceinline__ void mv_emit_pair(float* out, int r0, int r1, bool vb
 // half-warp h the pair (4w + 2h, 4w + 2h + 1), written by its lane 0 (every wide item of three rows
 // or more has a second pair, so the small test models cover it). Every consumer thread releases
 // every slot (empty barrier: NT arrivals). run_matvec's item loop, inlined into it.
-template <int RG>
+// HS (a split-K stage, SPLITK_DOWN): a pair's SwiGLU values go to shared memory, hrow[row].
+template <int RG, bool HS = false>
 __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nitems, int lane0, int K,
-                                         int flags, int mode, const float* xs, float& best, int& bidx) {
+                                         int flags, int mode, const float* xs, float& best, int& bidx,
+                                         float* hrow = nullptr) {
 #ifdef TRACE
     u64 twait = 0;
 #endif
@@ -469,6 +528,10 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
     constexpr int LSTEP = RG > 1 ? 16 : 32;  // lanes over a row
     float acc0 = 0.f, acc1 = 0.f;
     float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane hl = 0)
+#if SPLITK_DOWN
+    // the residual's pending sum (lane 0 only), once a stage: c.it lives in local memory
+    const i64* rpend = acc_of(st, MV_RES_PEND, c.it);
+#endif
     for (int j = 0; j < nitems; ++j, ++q) {
         const u32 slot = q % NSLOTS;
 #ifdef TRACE
@@ -496,6 +559,9 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
             }
             if (res) {
                 const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1);
+#if SPLITK_DOWN
+                if (rpend) { e0 += fix2f(ldi64(rpend + r0)); if (vb) e1 += fix2f(ldi64(rpend + r1)); }
+#endif
             }
         }
         if (g.z & IT_FIRST) { acc0 = 0.f; acc1 = 0.f; }
@@ -537,7 +603,8 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
             out = c.logits_all + (i64)c.it * st[MV_OUT_STRIDE] + lane * sg[SEG_OUTL];  // one logits row per position
         if (pair) {
             const float hv = acc0 / (1.0f + expf(-acc0)) * acc1;
-            out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
+            if (HS) hrow[r0 - ra + warp] = hv;
+            else out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
             continue;
         }
         mv_emit_pair(out, r0, r1, vb, acc0, acc1, b0, b1, e0, e1, bias, res, flags, best, bidx);
@@ -546,6 +613,51 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
     if (c.tr && threadIdx.x == 0) c.tr[8] = twait;
 #endif
 }
+
+#if SPLITK_DOWN
+__device__ __forceinline__ void axpy8(uint4 w, float s, float* a) {  // a[0..7] += s * w (8 bf16)
+    a[0] = fmaf(s, bf_lo(w.x), a[0]); a[1] = fmaf(s, bf_hi(w.x), a[1]);
+    a[2] = fmaf(s, bf_lo(w.y), a[2]); a[3] = fmaf(s, bf_hi(w.y), a[3]);
+    a[4] = fmaf(s, bf_lo(w.z), a[4]); a[5] = fmaf(s, bf_hi(w.z), a[5]);
+    a[6] = fmaf(s, bf_lo(w.w), a[6]); a[7] = fmaf(s, bf_hi(w.w), a[7]);
+}
+// A split-K stage's down_proj items (after its gate/up items): an item is `rows` rows of W_d^T
+// (down_proj's columns j = row0 ..), each D wide; thread t keeps outputs 8t .. 8t + 7 and
+// 8 (t + NT) .. (D <= 16 NT), adding h[j] W_d[:, j] row after row in the block's order, then adds
+// them to this token's accumulator in fixed point (the sum is exact, so the order of blocks is not
+// seen). The reads of a row are 16 bytes a thread, consecutive: conflict-free.
+__device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int nitems, const float* hrow) {
+    const int tid = threadIdx.x;
+    float a0[8], a1[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { a0[e] = 0.f; a1[e] = 0.f; }
+    int n8 = 0;
+    for (int j = 0; j < nitems; ++j, ++q) {
+        const u32 slot = q % NSLOTS;
+        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
+        const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
+        n8 = g.y >> 3;  // D / 8 (an item holds whole rows: schedule._splitk_items)
+        const uint4* w = (const uint4*)ring_slot(q);
+        const float* hv = hrow + h.z;
+#pragma unroll 1
+        for (int r = 0; r < h.w; ++r) {
+            const float s = hv[r];
+            if (tid < n8) axpy8(w[r * n8 + tid], s, a0);
+            if (tid + NT < n8) axpy8(w[r * n8 + tid + NT], s, a1);
+        }
+        mbar_arrive(&empty_bar[slot]);
+    }
+    i64* acc = (i64*)acc_of(st, MV_ACC, c.it);
+    if (tid < n8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) red_add_i64(acc + 8 * tid + e, f2fix(a0[e]));
+    }
+    if (tid + NT < n8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) red_add_i64(acc + 8 * (tid + NT) + e, f2fix(a1[e]));
+    }
+}
+#endif
 
 // A matvec stage: the norm weights preloaded, the wait, the input row, the items, then the LM
 // head's (max, index) partial or the fused DTP residual's tail pass.
@@ -605,6 +717,23 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
 
     float best = -__int_as_float(0x7f800000);
     int bidx = 0x7fffffff;
+#if SPLITK_DOWN
+    if (flags & MVF_SPLITK) {  // gate/up items into shared memory, then down_proj's (schedule.fuse_down_splitk)
+        const int ndown = c.blk.w & 0xff, rbase = c.blk.w >> 8;
+        float* hs = xs + nl * K + (nws ? K / 2 : 0);  // after the x row and the norm weights (backend _ring_slots)
+        {  // this block's slice of the other parity's accumulator, for the next token (its readers are done)
+            const int D = (int)st[MV_ACC_D];
+            i64* other = (i64*)st[MV_ACC] + ((c.it + 1) & 1) * D;
+#pragma unroll 1
+            for (int i = D * (int)blockIdx.x / nb + tid; i < D * ((int)blockIdx.x + 1) / nb; i += NT) other[i] = 0;
+        }
+        mv_items<1, true>(c, q, st, nitems - ndown, lane0, K, flags, mode, xs, best, bidx, hs - rbase);
+        csync();  // every warp's SwiGLU values in shared memory
+        mv_down_items(c, q, st, ndown, hs - rbase);
+        q_io = q;
+        return;
+    }
+#endif
 #if WIDE_ITEMS
     if (flags & MVF_WIDE) mv_items<2>(c, q, st, nitems, lane0, K, flags, mode, xs, best, bidx);
     else
