@@ -28,8 +28,12 @@ def main(name="laneformer-replicate", n=3):
     got, want = hb.logits(toks), ref.logits(toks)
     for i in range(n):
         print(f"pos {i}: logits rel err {np.linalg.norm(got[i] - want[i]) / np.linalg.norm(want[i]):.3g}")
+    pending, in_smem = _splitk_pending(hb, n)
     for spec in prog.tensors.values():
         if spec.kind not in ("buffer", "kv", "output") or not spec.shape or spec.name not in hb.ptr:
+            continue
+        if spec.name in in_smem:
+            print(f"{spec.name:28s} not written (KOG_HOPPER_SPLITK_DOWN keeps it in shared memory)")
             continue
         if spec.kind == "kv":
             raw = np.empty(spec.numel, np.uint16)
@@ -42,12 +46,30 @@ def main(name="laneformer-replicate", n=3):
             g = np.empty(spec.numel, np.float32)
             check(hb.drv.cuMemcpyDtoH(g.ctypes.data, hb.ptr[spec.name], g.nbytes), "read")
             r = ref.t[spec.name].reshape(-1)
+            if spec.name in pending:  # x + the last split-K stage's sum, as the next reader sees it
+                g = g + pending[spec.name]
             e = float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
             lanes = ""
             if len(spec.shape) == 2 and spec.shape[0] > 1:
                 gl, rl = g.reshape(spec.shape), r.reshape(spec.shape)
                 lanes = " per lane " + str(['%.2g' % (np.linalg.norm(gl[l] - rl[l]) / max(np.linalg.norm(rl[l]), 1e-30)) for l in range(spec.shape[0])])
             print(f"{spec.name:28s} last-token rel err {e:.3g}{lanes}")
+
+
+def _splitk_pending(hb, n):
+    """KOG_HOPPER_SPLITK_DOWN builds: ({x: the pending sum the last fused stage left at the last
+    position}, {SwiGLU outputs the fused stages keep in shared memory}); empty otherwise."""
+    from kog_nvidia_hopper.cuda_util import check
+    fused = [st for st in hb.stages if st.f.get("_splitk")]
+    if not fused:
+        return {}, set()
+    last = max(fused, key=lambda st: st.f["_acc"])
+    D = int(last.f["MV_ACC_D"])
+    raw = np.empty(2 * D, np.int64)
+    check(hb.drv.cuMemcpyDtoH(raw.ctypes.data, int(last.f["MV_ACC"]), raw.nbytes), "read")
+    x = last.segs[1]["out_name"]
+    pending = {x: (raw[((n - 1) & 1) * D:][:D] / 2.0 ** 32).astype(np.float32)}
+    return pending, {st.segs[0]["out_name"] for st in fused}
 
 
 if __name__ == "__main__":
