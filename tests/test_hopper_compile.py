@@ -9,7 +9,8 @@ import pytest
 
 from kog_core.errors import BackendUnavailable, CapabilityError, KogError
 
-# The default build (v17): 10 consumer warps + the producer + the signal warp (12 warps a block, so
+# The common defines of every default build (v17; a Llama-family model's adds SPLITK_DOWN=1 since
+# session 20, a Laneformer's its lane settings): 10 consumer warps + the producer + the signal warp (12 warps a block, so
 # up to 168 registers a thread: the register file's quadrants cap 13 warps at 128), one attention
 # K/V buffer, the attention inlined, the preloaded norm weights in shared memory.
 DEFAULT = dict(NT=320, KV_BUFS=1, SIGNAL_WARP=1, INLINE_ATTENTION=1, NORM_SMEM=1, STREAM_L2_FIRST=1,
@@ -542,7 +543,7 @@ def test_smem_addr_intrinsic_default_and_its_old_form_compile():
     kernel's entry only (a value reloaded a stage at most; without the intrinsic it has none)."""
     from kog_nvidia_hopper import schedule as S
     b2 = dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
-              RING_OFF=32768, PREFETCH=0)
+              RING_OFF=32768, PREFETCH=0, SPLITK_DOWN=1)  # a Llama-family model's MLP fused (session 20)
     on, _, _ = _compile_clean(**b2)
     off, _, _ = _compile_clean(**b2, SMEM_ADDR_INTRINSIC=0)
     assert on != off
@@ -1265,9 +1266,12 @@ def test_splitk_down_plan_and_packed_weights_compute_the_mlp():
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 
-def test_splitk_down_build_compiles_clean_and_only_where_asked():
-    """The SPLITK_DOWN build compiles for sm_90a without spills; its code exists only in it."""
+@pytest.mark.parametrize("red_smem", [0, 1])
+def test_splitk_down_build_compiles_clean_and_only_where_asked(red_smem):
+    """The SPLITK_DOWN build compiles for sm_90a without spills (its atomics straight from the
+    registers, or a warp's over consecutive outputs through shared memory: SPLITK_RED_SMEM); its
+    code exists only in it."""
     consts = dict(_bench2b_shape_consts())
-    cubin, log, rep = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1)
+    cubin, log, rep = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_RED_SMEM=red_smem)
     default, _, _ = _compile(**DEFAULT, **consts)
     assert _code_bytes(default) < _code_bytes(cubin)

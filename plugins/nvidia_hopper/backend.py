@@ -146,13 +146,19 @@ class HopperBackend(KernelBackend):
         # 0: elementwise stages
         fuse_lr = bool(_env_int("KOG_HOPPER_FUSE_LANE_RESIDUAL", 1, lo=0, hi=1))
         stages = S.lower(program, self.nb, self.nt, self.kv_bufs, fuse_lane_residual=fuse_lr)
-        # KOG_HOPPER_SPLITK_DOWN (an experiment, off): gate/up and down_proj as one stage, down_proj
-        # split over the blocks' gate/up rows and summed in 64-bit fixed point with integer atomics
-        # (exact, so seeded runs still repeat); the residual stays pending until o_proj writes it
-        # (schedule.fuse_down_splitk). One grid-wide boundary and one 32 KB input row less a layer.
-        self.splitk = S.fuse_down_splitk(program, stages, self.nt) if _env_int("KOG_HOPPER_SPLITK_DOWN", 0, lo=0, hi=1) else 0
-        if self.splitk and _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1):
-            raise KogError("KOG_HOPPER_SPLITK_DOWN=1 adds its pending sums on the register path: unset KOG_HOPPER_X_CPASYNC")
+        # KOG_HOPPER_SPLITK_DOWN (the default since session 20: +1.4% on bench-2b, +0.9% on
+        # llama-3.2-1b): gate/up and down_proj as one stage, down_proj split over the blocks' gate/up
+        # rows and summed in 64-bit fixed point with integer atomics (exact, so seeded runs still
+        # repeat); the residual stays pending until o_proj writes it (schedule.fuse_down_splitk). One
+        # grid-wide boundary and one 32 KB input row less a layer. Off by default under the two
+        # experiments that change the unfused down_proj's input path.
+        x_cpasync = _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1)
+        tag_down = _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1)
+        want_splitk = _env_int("KOG_HOPPER_SPLITK_DOWN", int(not (x_cpasync or tag_down)), lo=0, hi=1)
+        if want_splitk and (x_cpasync or tag_down):
+            raise KogError("KOG_HOPPER_SPLITK_DOWN=1 fuses down_proj, whose input KOG_HOPPER_X_CPASYNC / "
+                           "KOG_HOPPER_TAG_DOWN change: set KOG_HOPPER_SPLITK_DOWN=0 with them")
+        self.splitk = S.fuse_down_splitk(program, stages, self.nt) if want_splitk else 0
         # attention tiles to aim for (attention_plan.cuh att_chunks; default one per block): fewer, longer
         # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8);
         # more than one per block gives blocks a second tile, whose code has just run (the trace
@@ -221,7 +227,7 @@ class HopperBackend(KernelBackend):
                                   logits_numel=program.tensors[program.logits].numel)
         # TAG_DOWN (an experiment, session 9; +0.3% in session 10, off): down_proj takes its input
         # when the values carry this write's parity, instead of after gate/up's completion count
-        tagged = S.tag_pair_outputs(program, stages) if _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1) else []
+        tagged = S.tag_pair_outputs(program, stages) if tag_down else []
         self.tagged = {name: program.tensors[name].numel for name in tagged}  # buffer -> floats
         # sampled decoding (temperature > 0): on every block (sample_grid.cuh; default since session
         # 10) when each thread's share of the vocabulary fits its registers and the LM head leaves

@@ -319,6 +319,13 @@ def test_splitk_down_matches_reference(name, monkeypatch):
         hb.close()
 
 
+def test_splitk_down_atomics_through_shared_memory_match_reference(monkeypatch):
+    """SPLITK_RED_SMEM=1 (session 20): the split-K stage's partials pass through shared memory so
+    that a warp's atomics cover consecutive outputs; the same sums, so the same checks."""
+    monkeypatch.setenv("KOG_HOPPER_DEFINES", "SPLITK_RED_SMEM=1")
+    test_splitk_down_matches_reference("llama", monkeypatch)
+
+
 @pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
 def test_splitk_down_on_the_benchmark_presets(preset, monkeypatch):
     """KOG_HOPPER_SPLITK_DOWN=1 at the presets' own shapes (D = 2048: two 8-value groups for some
@@ -389,6 +396,8 @@ BOTH_WAYS = [
     # an RMSNorm stage of few long rows a block a row (the default since session 14) against a warp
     # a row: laneformer-lane's final norm (4 lanes x 256) is such a stage
     ("RMS_BLOCK", "RMS_BLOCK", ["laneformer-lane"]),
+    # gate/up and down_proj as one split-K stage (the default since session 20) against two stages
+    ("SPLITK_DOWN", "SPLITK_DOWN", ["llama", "mistral"]),
     # items of 4 rows a warp where rows are short (session 15) against 2: the small models' q/k/v,
     # o_proj and LM head (K <= 396) are wide stages, with bias (qwen2), residual, the deferred norm,
     # several lanes a block (laneformer-lane) and the head's argmax and logits

@@ -112,10 +112,14 @@ __shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]:
 #ifndef SPLITK_DOWN
 #define SPLITK_DOWN 0
 #endif
+#ifndef SPLITK_RED_SMEM  // the down partials' atomics a warp over consecutive outputs (an A/B, session 20)
+#define SPLITK_RED_SMEM 1
+#endif
 #define PEND_V 2  // float4s of a pending input row per thread (schedule.SPLITK_PEND_V: K <= 8 NT)
 #if SPLITK_DOWN && X_CPASYNC
 #error "SPLITK_DOWN adds the pending sums on the register path only: not with X_CPASYNC"
 #endif
+static_assert(XV >= PEND_V, "the pending sums are added in the loader's first batch");
 __device__ __forceinline__ i64 f2fix(float v) {  // round to nearest in units of 2^-32 (schedule.FIX_BITS)
     i64 r;
     asm("cvt.rni.s64.f32 %0, %1;" : "=l"(r) : "f"(v * 4294967296.0f));
@@ -626,7 +630,8 @@ __device__ __forceinline__ void axpy8(uint4 w, float s, float* a) {  // a[0..7] 
 // 8 (t + NT) .. (D <= 16 NT), adding h[j] W_d[:, j] row after row in the block's order, then adds
 // them to this token's accumulator in fixed point (the sum is exact, so the order of blocks is not
 // seen). The reads of a row are 16 bytes a thread, consecutive: conflict-free.
-__device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int nitems, const float* hrow) {
+__device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int nitems, const float* hrow,
+                                              float* xs) {
     const int tid = threadIdx.x;
     float a0[8], a1[8];
 #pragma unroll
@@ -648,6 +653,17 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
         mbar_arrive(&empty_bar[slot]);
     }
     i64* acc = (i64*)acc_of(st, MV_ACC, c.it);
+#if SPLITK_RED_SMEM
+    // through shared memory (the x row's, unread since the gate/up items): a warp's atomics then
+    // cover 256 consecutive bytes, 8 L2 sectors, instead of one sector a lane
+    if (tid < n8) { ((float4*)xs)[2 * tid] = make_float4(a0[0], a0[1], a0[2], a0[3]);
+                    ((float4*)xs)[2 * tid + 1] = make_float4(a0[4], a0[5], a0[6], a0[7]); }
+    if (tid + NT < n8) { ((float4*)xs)[2 * (tid + NT)] = make_float4(a1[0], a1[1], a1[2], a1[3]);
+                         ((float4*)xs)[2 * (tid + NT) + 1] = make_float4(a1[4], a1[5], a1[6], a1[7]); }
+    csync();
+#pragma unroll 4
+    for (int i = tid; i < 8 * n8; i += NT) red_add_i64(acc + i, f2fix(xs[i]));
+#else
     if (tid < n8) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) red_add_i64(acc + 8 * tid + e, f2fix(a0[e]));
@@ -656,6 +672,7 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
 #pragma unroll
         for (int e = 0; e < 8; ++e) red_add_i64(acc + 8 * (tid + NT) + e, f2fix(a1[e]));
     }
+#endif
 }
 #endif
 
@@ -729,7 +746,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         }
         mv_items<1, true>(c, q, st, nitems - ndown, lane0, K, flags, mode, xs, best, bidx, hs - rbase);
         csync();  // every warp's SwiGLU values in shared memory
-        mv_down_items(c, q, st, ndown, hs - rbase);
+        mv_down_items(c, q, st, ndown, hs - rbase, xs);
         q_io = q;
         return;
     }
