@@ -336,7 +336,7 @@ class HopperBackend(KernelBackend):
             variant["LANES_LOAD"] = 1
         if tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
-        if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (an experiment)
+        if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)
             variant["SPLITK_DOWN"] = 1
         if self.sample_grid:
             variant.update(SAMPLE_GRID=1, SAMPLE_EPT=self.sample_ept)

@@ -300,7 +300,7 @@ def test_tag_down_matches_reference(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
 def test_splitk_down_matches_reference(name, monkeypatch):
-    """KOG_HOPPER_SPLITK_DOWN=1 (an experiment, session 19): gate/up and down_proj in one stage,
+    """KOG_HOPPER_SPLITK_DOWN=1 (session 19; the default since session 20): gate/up and down_proj in one stage,
     down_proj's partials summed in fixed point by integer atomics and the residual pending until
     o_proj. Logits at every position and greedy tokens match the reference over several launches
     (each starts its accumulators at zero), seeded sampling repeats (an exact, order-free sum),

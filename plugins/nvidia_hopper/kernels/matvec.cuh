@@ -102,7 +102,7 @@ __shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]:
 #error "DEFER_NORM multiplies by the norm weights on the register path only: not with X_CPASYNC"
 #endif
 
-// SPLITK_DOWN (an experiment, off; KOG_HOPPER_SPLITK_DOWN=1; schedule.fuse_down_splitk): gate/up and
+// SPLITK_DOWN (the default for Llama-family layers since v28; KOG_HOPPER_SPLITK_DOWN; schedule.fuse_down_splitk): gate/up and
 // down_proj as one stage. A block keeps its SwiGLU values in shared memory and streams the same rows
 // of down_proj's transpose, then adds its partial of every output to the stage's accumulator in
 // 64-bit fixed point (2^-32) with integer atomics: an exact sum, whatever order the blocks add in.
