@@ -29,7 +29,11 @@
 #             image has it, and its wheel would exceed the 64 MiB a call carries)
 #   .devcarry/torch_peer.py   a copy of ../shared/bench/torch_peer.py
 #   .devcarry/smol/part.aa, part.ab   `kog pull smollm2-135m`'s GGUF cut in two (`split -n 2 FILE part.`):
-#             each call carries one half (smolpart1 keeps the first on the machine for the next call)
+#             each call carries one half (smolpart1 keeps the first on the machine for the next call).
+#             A machine goes back 30 s after a call: make the second call at once, e.g. carry
+#             [".whl", ".smolA", ".devcarry/torch_peer.py"] (part.aa in .smolA, listed in
+#             .git/info/exclude) with `cp .smolA/part.aa /root/smol/` and a bench, then
+#             [".whl", ".devcarry"] (part.ab in .devcarry/smol) with check (session 20)
 set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
