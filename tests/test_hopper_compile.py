@@ -1266,12 +1266,10 @@ def test_splitk_down_plan_and_packed_weights_compute_the_mlp():
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("red_smem", [0, 1])
-def test_splitk_down_build_compiles_clean_and_only_where_asked(red_smem):
-    """The SPLITK_DOWN build compiles for sm_90a without spills (its atomics straight from the
-    registers, or a warp's over consecutive outputs through shared memory: SPLITK_RED_SMEM); its
-    code exists only in it."""
+def test_splitk_down_build_compiles_clean_and_only_where_asked():
+    """The SPLITK_DOWN build compiles for sm_90a without spills (a warp's atomics over consecutive
+    outputs, through shared memory); its code exists only in it."""
     consts = dict(_bench2b_shape_consts())
-    cubin, log, rep = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_RED_SMEM=red_smem)
+    cubin, log, rep = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1)
     default, _, _ = _compile(**DEFAULT, **consts)
     assert _code_bytes(default) < _code_bytes(cubin)

@@ -314,7 +314,7 @@ class HopperBackend(KernelBackend):
             variant["NORM_SMEM"] = 1
         if _env_int("KOG_HOPPER_COMPACT_ATTENTION", 0, lo=0, hi=1):  # attention loops not unrolled (an experiment, session 8)
             variant["COMPACT_ATTENTION"] = 1
-        if _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1):  # input rows by cp.async (an experiment, session 8)
+        if x_cpasync:  # input rows by cp.async (an experiment, session 8)
             variant["X_CPASYNC"] = 1
         # an RMSNorm stage of few long rows a block a row (elementwise.cuh RMS_BLOCK; the default
         # since session 14: +2.5% on laneformer-2b), compiled in only where such a stage exists

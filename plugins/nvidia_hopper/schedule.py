@@ -548,8 +548,9 @@ FIX_BITS = 32      # matvec.cuh f2fix: the split-K partials' fixed point, 2^-32 
 
 
 def fuse_down_splitk(P, stages, nt: int) -> int:
-    """KOG_HOPPER_SPLITK_DOWN (the default for Llama-family layers since v28): gate/up and down_proj as one stage, so a layer's
-    MLP has one grid-wide boundary instead of two and down_proj loads no 8k-float input row.
+    """KOG_HOPPER_SPLITK_DOWN (the default for Llama-family layers since v28): gate/up and down_proj
+    as one stage, so a layer's MLP has one grid-wide boundary instead of two and down_proj loads
+    no 8k-float input row.
 
     Each block keeps its SwiGLU values h[J_b] (its gate/up rows) in shared memory and then streams
     the same rows of down_proj's transpose, W_d[:, J_b]^T: a partial W_d[:, J_b] h[J_b] of every

@@ -319,13 +319,6 @@ def test_splitk_down_matches_reference(name, monkeypatch):
         hb.close()
 
 
-def test_splitk_down_atomics_through_shared_memory_match_reference(monkeypatch):
-    """SPLITK_RED_SMEM=1 (session 20): the split-K stage's partials pass through shared memory so
-    that a warp's atomics cover consecutive outputs; the same sums, so the same checks."""
-    monkeypatch.setenv("KOG_HOPPER_DEFINES", "SPLITK_RED_SMEM=1")
-    test_splitk_down_matches_reference("llama", monkeypatch)
-
-
 @pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
 def test_splitk_down_on_the_benchmark_presets(preset, monkeypatch):
     """KOG_HOPPER_SPLITK_DOWN=1 at the presets' own shapes (D = 2048: two 8-value groups for some
