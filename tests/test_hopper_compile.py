@@ -1273,3 +1273,39 @@ def test_splitk_down_build_compiles_clean_and_only_where_asked():
     cubin, log, rep = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1)
     default, _, _ = _compile(**DEFAULT, **consts)
     assert _code_bytes(default) < _code_bytes(cubin)
+
+
+def test_splitk_pairs_build_compiles_clean_and_needs_its_buffer():
+    """SPLITK_PAIRS (clusters of 2 halving the split-K atomics) compiles without spills, its cluster
+    code exists only in it, and a build that asks for it without SPLITK_DOWN or without the receive
+    buffer's offset is refused at compile time."""
+    consts = dict(_bench2b_shape_consts())
+    cubin, log, rep = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_PAIRS=1, PAIR_RBUF_OFF=16384)
+    unpaired, _, _ = _compile(**DEFAULT, **consts, SPLITK_DOWN=1)
+    assert _code_bytes(unpaired) < _code_bytes(cubin)
+    for bad in (dict(SPLITK_PAIRS=1, PAIR_RBUF_OFF=16384), dict(SPLITK_DOWN=1, SPLITK_PAIRS=1)):
+        with pytest.raises(Exception, match="SPLITK_PAIRS"):
+            _compile(**DEFAULT, **consts, **bad)
+
+
+def test_splitk_pairs_receive_buffer_lies_past_the_stage_own_scratch():
+    """With pairs the split-K stage reserves the partner's partials (the larger half of D, as
+    floats) at the end of the stage scratch, past its x row, norm weights and SwiGLU values, where
+    PAIR_RBUF_OFF puts them; on bench-2b the scratch (and so the ring) does not grow."""
+    from types import SimpleNamespace
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.backend import HopperBackend
+    got = {}
+    for pairs in (False, True):
+        stages = _bench2b_stages_as_loaded()
+        S.fuse_down_splitk(_bench2b_program(), stages, 32 * S.NW_DEFAULT)
+        hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024, norm_smem=1, kalign=32, pairs=pairs)
+        slot, _, scratch = HopperBackend._ring_slots(hb, stages, None)
+        sk = [st for st in stages if st.f.get("_splitk")]
+        assert sk
+        got[pairs] = (slot, scratch, sk[0].smem)
+    rbuf = S.pair_rbuf_bytes(sk[0])
+    assert rbuf == 2048 // 2 * 4
+    (slot0, scratch0, own), (slot1, scratch1, with_rbuf) = got[False], got[True]
+    assert (slot1, scratch1) == (slot0, scratch0) and with_rbuf == own + rbuf + 16
+    assert own <= (scratch1 - rbuf) // 16 * 16 and (scratch1 - rbuf) // 16 * 16 + rbuf <= scratch1

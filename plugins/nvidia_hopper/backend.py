@@ -159,6 +159,14 @@ class HopperBackend(KernelBackend):
             raise KogError("KOG_HOPPER_SPLITK_DOWN=1 fuses down_proj, whose input KOG_HOPPER_X_CPASYNC / "
                            "KOG_HOPPER_TAG_DOWN change: set KOG_HOPPER_SPLITK_DOWN=0 with them")
         self.splitk = S.fuse_down_splitk(program, stages, self.nt) if want_splitk else 0
+        # KOG_HOPPER_SPLITK_PAIRS (session 21): clusters of 2 blocks, each adding both blocks' partials
+        # of half the split-K stage's outputs (matvec.cuh SPLITK_PAIRS): half the 64-bit atomics.
+        # Needs an even grid; a GPU that cannot hold every pair at once falls back (load, below).
+        want_pairs = _env_int("KOG_HOPPER_SPLITK_PAIRS", 0, lo=0, hi=1)
+        if want_pairs and os.environ.get("KOG_HOPPER_SPLITK_PAIRS") and not (self.splitk and self.nb % 2 == 0):
+            raise KogError(f"KOG_HOPPER_SPLITK_PAIRS=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
+                           f"and an even number of blocks (here {self.nb}): unset KOG_HOPPER_SPLITK_PAIRS")
+        self.pairs = bool(want_pairs and self.splitk and self.nb % 2 == 0)
         # attention tiles to aim for (attention_plan.cuh att_chunks; default one per block): fewer, longer
         # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8);
         # more than one per block gives blocks a second tile, whose code has just run (the trace
@@ -338,6 +346,9 @@ class HopperBackend(KernelBackend):
             variant["TAG_DOWN"] = 1
         if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)
             variant["SPLITK_DOWN"] = 1
+        if self.pairs:  # the partner's partials land at the end of the stage scratch
+            rbuf = max(S.pair_rbuf_bytes(st) for st in stages if st.f.get("_splitk"))
+            variant.update(SPLITK_PAIRS=1, PAIR_RBUF_OFF=(scratch - rbuf) // 16 * 16)
         if self.sample_grid:
             variant.update(SAMPLE_GRID=1, SAMPLE_EPT=self.sample_ept)
         # the dynamic shared memory (and so every ring slot) on a fixed boundary, not wherever the
@@ -373,16 +384,20 @@ class HopperBackend(KernelBackend):
             self.d_trace = self._alloc(int(np.prod(self.trace_shape)) * 8)
         self.smem = scratch + nslots * slot_bytes
         self.variant = variant
-        # compile (cached on disk) and load
-        cubin, log = compile_cubin(source(S.header(variant)))
-        self.ptxas = ptxas_report(log)
-        self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
-        self.fn = check(drv.cuModuleGetFunction(self.module, b"kog_decode"), "cuModuleGetFunction")
-        check(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem),
-              "cuFuncSetAttribute(shared memory)")
+        self._load_kernel(variant)
         occ = check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, self.nthreads, self.smem), "occupancy")
         if occ < 1:
             raise KogError(f"the nvidia_hopper kernel does not fit on an SM ({self.smem} bytes shared memory)")
+        if self.pairs:  # every pair co-resident, or the build without pairs (the same layout serves it)
+            fits = check(drv.cuOccupancyMaxActiveClusters(self.fn, self._launch_config()), "cuOccupancyMaxActiveClusters")
+            if 2 * fits < self.nb:
+                if os.environ.get("KOG_HOPPER_SPLITK_PAIRS"):
+                    raise KogError(f"KOG_HOPPER_SPLITK_PAIRS=1: only {fits} clusters of 2 fit at once, the grid "
+                                   f"needs {self.nb // 2}: unset KOG_HOPPER_SPLITK_PAIRS")
+                self.pairs = False
+                for k in ("SPLITK_PAIRS", "PAIR_RBUF_OFF"):
+                    variant.pop(k)
+                self._load_kernel(variant)
         # run parameters, prompt, stop ids, sampling scratch, host-mapped outputs
         self.d_run = self._alloc(S.NRUN * 8)
         self.d_prompt = self._alloc(self.T * 4)
@@ -434,6 +449,8 @@ class HopperBackend(KernelBackend):
                 stages[si].smem += int(stages[si].f["MV_K"]) * 2  # NORM_SMEM: the norm weights after the x rows
             if stages[si].f.get("_splitk"):  # then the block's SwiGLU values (matvec.cuh run_matvec)
                 stages[si].smem += S.splitk_rows(stages[si], self.nb) * 4
+                if self.pairs:  # and room for the partner's partials at the scratch's end (PAIR_RBUF_OFF)
+                    stages[si].smem += S.pair_rbuf_bytes(stages[si]) + 16
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
@@ -528,8 +545,40 @@ class HopperBackend(KernelBackend):
         self.cancel_view[0] = 0
         args = ((self.d_desc, self.nst, self.d_counters, self.d_run),
                 (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p))
-        check(drv.cuLaunchCooperativeKernel(self.fn, self.nb, 1, 1, self.nthreads, 1, 1, self.smem, self.stream, args),
-              "cuLaunchCooperativeKernel")
+        if self.pairs:
+            check(drv.cuLaunchKernelEx(self._launch_config(), self.fn, args, 0), "cuLaunchKernelEx(clusters of 2)")
+        else:
+            check(drv.cuLaunchCooperativeKernel(self.fn, self.nb, 1, 1, self.nthreads, 1, 1, self.smem, self.stream, args),
+                  "cuLaunchCooperativeKernel")
+
+    def _load_kernel(self, variant: dict) -> None:
+        """Compile the kernel for `variant` (cached on disk), load it and allow its shared memory."""
+        drv = self.drv
+        if getattr(self, "module", None) is not None:  # a build being replaced (the pairs' fallback)
+            check(drv.cuModuleUnload(self.module), "cuModuleUnload")
+            self.module = None
+        cubin, log = compile_cubin(source(S.header(variant)))
+        self.ptxas = ptxas_report(log)
+        self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.fn = check(drv.cuModuleGetFunction(self.module, b"kog_decode"), "cuModuleGetFunction")
+        check(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem),
+              "cuFuncSetAttribute(shared memory)")
+
+    def _launch_config(self):
+        """SPLITK_PAIRS's launch: cooperative (every block co-resident, as cuLaunchCooperativeKernel) in
+        clusters of 2 blocks."""
+        drv = self.drv
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.nb, 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.nthreads, 1, 1
+        cfg.sharedMemBytes, cfg.hStream = self.smem, self.stream
+        coop, cluster = drv.CUlaunchAttribute(), drv.CUlaunchAttribute()
+        coop.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        coop.value.cooperative = 1
+        cluster.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = 2, 1, 1
+        cfg.attrs, cfg.numAttrs = [coop, cluster], 2
+        return cfg
 
     def _sync(self):
         check(self.drv.cuStreamSynchronize(self.stream), "the nvidia_hopper kernel")

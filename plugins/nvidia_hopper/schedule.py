@@ -661,6 +661,13 @@ def fuse_down_splitk(P, stages, nt: int) -> int:
     return len(fused)
 
 
+def pair_rbuf_bytes(st: "Stage") -> int:
+    """SPLITK_PAIRS: a split-K stage's receive buffer, the partner's partials of the larger half of
+    the outputs (matvec.cuh mv_down_items: rank 0 adds 8-output groups [0, n8 / 2), rank 1 the rest)."""
+    n8 = int(st.f["MV_ACC_D"]) // 8
+    return 8 * (n8 - n8 // 2) * 4
+
+
 def splitk_rows(st: "Stage", nb: int) -> int:
     """The most gate/up rows one block of a split-K stage takes (its SwiGLU values in shared memory)."""
     most = 0

@@ -327,6 +327,47 @@ def test_splitk_down_on_the_benchmark_presets(preset, monkeypatch):
     test_benchmark_preset_matches_reference(preset)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_splitk_pairs_match_reference_and_the_unpaired_build_bit_for_bit(name, monkeypatch):
+    """KOG_HOPPER_SPLITK_PAIRS=1 (session 21): the grid in clusters of 2, each block adding both
+    blocks' partials of half the split-K stage's outputs (distributed shared memory). Logits and
+    greedy tokens match the reference, seeded sampling repeats, and the logits at every position
+    equal the unpaired build's exactly: each partial becomes fixed point on its own, so the
+    integer sums are the same (D = 192 on qwen2: halves of 12 groups of 8)."""
+    from kog_nvidia_hopper.backend import HopperBackend
+    from kog_nvidia_hopper.plugin import CAPABILITIES
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_PAIRS", "1")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    toks = np.random.default_rng(8).integers(0, prog.vocab_size, 100).tolist()
+    try:
+        assert hb.pairs and hb.variant.get("SPLITK_PAIRS") == 1 and hb.splitk == prog.n_layers
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+        if name == "llama":
+            _assert_sampling_seeded_and_as_defined(hb)
+        paired = hb.logits(toks)
+    finally:
+        hb.close()
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_PAIRS", "0")
+    hb = HopperBackend()
+    hb.capabilities = CAPABILITIES
+    hb.load(prog, w)
+    try:
+        assert not hb.pairs and "SPLITK_PAIRS" not in hb.variant
+        unpaired = hb.logits(toks)
+    finally:
+        hb.close()
+    assert np.array_equal(paired, unpaired), \
+        f"{int((paired != unpaired).sum())} logits differ, max {float(np.abs(paired - unpaired).max()):.3g}"
+
+
+def test_splitk_pairs_on_bench_2b(monkeypatch):
+    """KOG_HOPPER_SPLITK_PAIRS=1 at bench-2b's shapes (D = 2048: 256 groups of 8, 128 a block):
+    as test_benchmark_preset_matches_reference."""
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_PAIRS", "1")
+    test_benchmark_preset_matches_reference("bench-2b")
+
+
 @pytest.mark.parametrize("name", ["laneformer-lane", "laneformer-replicate"])
 def test_rows_dealt_lane_by_lane_match_reference(name, monkeypatch):
     """KOG_HOPPER_LANE_MAJOR=1 with KOG_HOPPER_LANE_PAD_ROWS=8 (experiments, session 15): the rows

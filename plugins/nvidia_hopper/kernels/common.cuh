@@ -48,6 +48,32 @@ __device__ __forceinline__ u32 ld_sys(const volatile u32* p) {
 }
 
 
+// Distributed shared memory (a cluster launch; matvec.cuh SPLITK_PAIRS): a shared::cluster address
+// of p in block `rank` of this cluster, 16-byte stores there, and an mbarrier arrive / wait at
+// cluster scope (release on the sender's side, acquire on the receiver's).
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 mapa_shared(const void* p, u32 rank) {
+    u32 a;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
+    return a;
+}
+__device__ __forceinline__ void st_cluster_f4(u32 a, float4 v) {
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
+                 :: "r"(a), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cluster(u32 a) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(a) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_acquire_cluster(u64* bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
 
 struct OpSum { template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
 struct OpMax { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };

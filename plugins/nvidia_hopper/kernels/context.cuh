@@ -55,6 +55,9 @@ struct Ctx {
     float* logits_all;  // logits mode: one row per position (run[R_LOGITS_ALL])
     int it, pos, tok, P, logits_mode, nst;
     int skipmask;       // benchmark breakdown: stage kinds not executed
+#if SPLITK_PAIRS
+    u32 npair;          // split-K exchanges with the partner block so far (pair_bar's phase)
+#endif
 };
 
 __device__ __forceinline__ float fslot(const i64* st, int i) { return __int_as_float((int)st[i]); }

@@ -145,6 +145,9 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
     c.logits_mode = (int)run[R_LOGITS_MODE];
     c.skipmask = (int)run[R_SKIP];
     c.it = 0;
+#if SPLITK_PAIRS
+    c.npair = 0;
+#endif
 #ifdef TRACE
     c.tbase = (u64*)run[R_TRACE];
     c.tit0 = (int)run[R_TRACE_IT0];
@@ -161,8 +164,15 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
         s_sg_round = 0;
         s_sg_used = 0;
 #endif
+#if SPLITK_PAIRS
+        mbar_init(&pair_bar, 1);  // the partner's thread 0 arrives once a split-K stage
+#endif
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+#if SPLITK_PAIRS
+    // the partner's pair_bar initialised before this block's first remote arrive
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
     __syncthreads();  // the last barrier of all NTHREADS: from here on the producer warp goes its own way
     if (SIGNAL_WARP && threadIdx.x >= NT + 32) {
         if (STAGE_BAR) signal_stages_bar(counters, nst, run);

@@ -114,6 +114,24 @@ __shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]:
 #define SPLITK_DOWN 0
 #endif
 #define PEND_V 2  // float4s of a pending input row per thread (schedule.SPLITK_PEND_V: K <= 8 NT)
+// SPLITK_PAIRS (with SPLITK_DOWN; KOG_HOPPER_SPLITK_PAIRS): the grid runs in clusters of 2 and a
+// pair of blocks halves the split-K stage's atomics. Each block stores its partials of the
+// partner's half of the outputs into the partner's shared memory (distributed shared memory, at
+// PAIR_RBUF_OFF of the dynamic shared memory: the end of the stage scratch), arrives on the
+// partner's pair_bar, waits on its own, and adds both blocks' partials of its half: each converted
+// to fixed point on its own, so the integer sums, and every bit after them, are those without pairs.
+#ifndef SPLITK_PAIRS
+#define SPLITK_PAIRS 0
+#endif
+#if SPLITK_PAIRS && !SPLITK_DOWN
+#error "SPLITK_PAIRS pairs the split-K stage's partials: only with SPLITK_DOWN"
+#endif
+#if SPLITK_PAIRS
+#ifndef PAIR_RBUF_OFF
+#error "SPLITK_PAIRS needs PAIR_RBUF_OFF, the receive buffer's byte offset in dynamic shared memory"
+#endif
+__shared__ u64 pair_bar;  // one phase a split-K stage: the partner's partials of this block's half landed
+#endif
 #if SPLITK_DOWN && X_CPASYNC
 #error "SPLITK_DOWN adds the pending sums on the register path only: not with X_CPASYNC"
 #endif
@@ -654,6 +672,30 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
     // through shared memory (the x row's, unread since the gate/up items), so that a warp's atomics
     // cover 256 consecutive bytes, 8 L2 sectors: a lane's own 8 outputs, one sector a lane, measured
     // -11% against the unfused stages (session 20)
+#if SPLITK_PAIRS
+    n8 = (int)st[MV_ACC_D] >> 3;  // from the stage: a block without down items still sends its zeros
+    const u32 rank = cluster_ctarank();
+    const int h8 = n8 >> 1;  // rank 0 adds outputs [0, 8 h8), rank 1 [8 h8, 8 n8)
+    const int lo8 = rank ? h8 : 0, hi8 = rank ? n8 : h8, plo8 = rank ? 0 : h8;
+    float* rbuf = (float*)((char*)smem_f() + PAIR_RBUF_OFF);  // the partner's partials of [8 lo8, 8 hi8)
+    const u32 prbuf = mapa_shared(rbuf, rank ^ 1u);           // the partner's rbuf
+    const u32 parity = c.npair & 1u;
+    ++c.npair;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int g = tid + u * NT;
+        const float* a = u ? a1 : a0;
+        if (g >= n8) continue;
+        const float4 v0 = make_float4(a[0], a[1], a[2], a[3]), v1 = make_float4(a[4], a[5], a[6], a[7]);
+        if (g >= lo8 && g < hi8) { ((float4*)xs)[2 * g] = v0; ((float4*)xs)[2 * g + 1] = v1; }
+        else { st_cluster_f4(prbuf + 32 * (g - plo8), v0); st_cluster_f4(prbuf + 32 * (g - plo8) + 16, v1); }
+    }
+    csync();  // this block's stores to the partner's rbuf, before thread 0's release
+    if (tid == 0) mbar_arrive_cluster(mapa_shared(&pair_bar, rank ^ 1u));
+    while (!mbar_try_acquire_cluster(&pair_bar, parity)) { }
+#pragma unroll 4
+    for (int i = 8 * lo8 + tid; i < 8 * hi8; i += NT) red_add_i64(acc + i, f2fix(xs[i]) + f2fix(rbuf[i - 8 * lo8]));
+#else
     if (tid < n8) { ((float4*)xs)[2 * tid] = make_float4(a0[0], a0[1], a0[2], a0[3]);
                     ((float4*)xs)[2 * tid + 1] = make_float4(a0[4], a0[5], a0[6], a0[7]); }
     if (tid + NT < n8) { ((float4*)xs)[2 * (tid + NT)] = make_float4(a1[0], a1[1], a1[2], a1[3]);
@@ -661,6 +703,7 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
     csync();
 #pragma unroll 4
     for (int i = tid; i < 8 * n8; i += NT) red_add_i64(acc + i, f2fix(xs[i]));
+#endif
 }
 #endif
 
