@@ -1288,6 +1288,21 @@ def test_splitk_pairs_build_compiles_clean_and_needs_its_buffer():
             _compile(**DEFAULT, **consts, **bad)
 
 
+def test_splitk_bulk_and_what_if_builds_compile_clean():
+    """SPLITK_BULK (one bulk reduction a block) and the DEBUG_SPLITK what-if builds compile without
+    spills; SPLITK_BULK without its staging offset, or with pairs, is refused at compile time."""
+    consts = dict(_bench2b_shape_consts())
+    bulk, _, _ = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_BULK=1, SPLITK_STAGE_OFF=14336)
+    unpaired, _, _ = _compile(**DEFAULT, **consts, SPLITK_DOWN=1)
+    assert _code_bytes(bulk) != _code_bytes(unpaired)
+    for n in (1, 2, 3):
+        _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, DEBUG_SPLITK=n)
+    for bad in (dict(SPLITK_DOWN=1, SPLITK_BULK=1),
+                dict(SPLITK_DOWN=1, SPLITK_BULK=1, SPLITK_STAGE_OFF=14336, SPLITK_PAIRS=1, PAIR_RBUF_OFF=16384)):
+        with pytest.raises(Exception, match="SPLITK_BULK"):
+            _compile(**DEFAULT, **consts, **bad)
+
+
 def test_splitk_pairs_receive_buffer_lies_past_the_stage_own_scratch():
     """With pairs the split-K stage reserves the partner's partials (the larger half of D, as
     floats) at the end of the stage scratch, past its x row, norm weights and SwiGLU values, where
@@ -1309,3 +1324,12 @@ def test_splitk_pairs_receive_buffer_lies_past_the_stage_own_scratch():
     (slot0, scratch0, own), (slot1, scratch1, with_rbuf) = got[False], got[True]
     assert (slot1, scratch1) == (slot0, scratch0) and with_rbuf == own + rbuf + 16
     assert own <= (scratch1 - rbuf) // 16 * 16 and (scratch1 - rbuf) // 16 * 16 + rbuf <= scratch1
+    # SPLITK_BULK: the fixed-point partials (D int64) at a 128-byte boundary, also past the stage's own
+    stages = _bench2b_stages_as_loaded()
+    S.fuse_down_splitk(_bench2b_program(), stages, 32 * S.NW_DEFAULT)
+    hb = SimpleNamespace(nb=132, nw=S.NW_DEFAULT, max_smem=227 * 1024, norm_smem=1, kalign=32, pairs=False,
+                         splitk_bulk=True)
+    slot2, _, scratch2 = HopperBackend._ring_slots(hb, stages, None)
+    stg = S.splitk_stage_bytes(sk[0])
+    assert stg == 2048 * 8 and (slot2, scratch2) == (slot0, scratch0)
+    assert own <= (scratch2 - stg) // 128 * 128

@@ -167,6 +167,12 @@ class HopperBackend(KernelBackend):
             raise KogError(f"KOG_HOPPER_SPLITK_PAIRS=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
                            f"and an even number of blocks (here {self.nb}): unset KOG_HOPPER_SPLITK_PAIRS")
         self.pairs = bool(want_pairs and self.splitk and self.nb % 2 == 0)
+        # KOG_HOPPER_SPLITK_BULK (session 21): the split-K partials added by one bulk reduction of the
+        # copy engine a block (matvec.cuh SPLITK_BULK) instead of red instructions
+        self.splitk_bulk = bool(_env_int("KOG_HOPPER_SPLITK_BULK", 0, lo=0, hi=1) and self.splitk)
+        if self.splitk_bulk and self.pairs:
+            raise KogError("KOG_HOPPER_SPLITK_BULK=1 and KOG_HOPPER_SPLITK_PAIRS=1 are two forms of the same "
+                           "sum: set one of them")
         # attention tiles to aim for (attention_plan.cuh att_chunks; default one per block): fewer, longer
         # chunks leave fewer partials to combine but longer tiles (64 and 96: slower, session 8);
         # more than one per block gives blocks a second tile, whose code has just run (the trace
@@ -349,6 +355,9 @@ class HopperBackend(KernelBackend):
         if self.pairs:  # the partner's partials land at the end of the stage scratch
             rbuf = max(S.pair_rbuf_bytes(st) for st in stages if st.f.get("_splitk"))
             variant.update(SPLITK_PAIRS=1, PAIR_RBUF_OFF=(scratch - rbuf) // 16 * 16)
+        if self.splitk_bulk:  # the bulk reduction's source at the end of the stage scratch (128-byte aligned)
+            stg = max(S.splitk_stage_bytes(st) for st in stages if st.f.get("_splitk"))
+            variant.update(SPLITK_BULK=1, SPLITK_STAGE_OFF=(scratch - stg) // 128 * 128)
         if self.sample_grid:
             variant.update(SAMPLE_GRID=1, SAMPLE_EPT=self.sample_ept)
         # the dynamic shared memory (and so every ring slot) on a fixed boundary, not wherever the
@@ -449,8 +458,10 @@ class HopperBackend(KernelBackend):
                 stages[si].smem += int(stages[si].f["MV_K"]) * 2  # NORM_SMEM: the norm weights after the x rows
             if stages[si].f.get("_splitk"):  # then the block's SwiGLU values (matvec.cuh run_matvec)
                 stages[si].smem += S.splitk_rows(stages[si], self.nb) * 4
-                if self.pairs:  # and room for the partner's partials at the scratch's end (PAIR_RBUF_OFF)
+                if getattr(self, "pairs", False):  # and room for the partner's partials at the scratch's end (PAIR_RBUF_OFF)
                     stages[si].smem += S.pair_rbuf_bytes(stages[si]) + 16
+                if getattr(self, "splitk_bulk", False):  # or for the bulk reduction's source (SPLITK_STAGE_OFF)
+                    stages[si].smem += S.splitk_stage_bytes(stages[si]) + 128
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:

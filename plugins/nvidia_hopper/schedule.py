@@ -668,6 +668,12 @@ def pair_rbuf_bytes(st: "Stage") -> int:
     return 8 * (n8 - n8 // 2) * 4
 
 
+def splitk_stage_bytes(st: "Stage") -> int:
+    """SPLITK_BULK: a split-K stage's fixed-point partials in shared memory, D int64 (the bulk
+    reduction's source, matvec.cuh mv_down_items)."""
+    return int(st.f["MV_ACC_D"]) * 8
+
+
 def splitk_rows(st: "Stage", nb: int) -> int:
     """The most gate/up rows one block of a split-K stage takes (its SwiGLU values in shared memory)."""
     most = 0

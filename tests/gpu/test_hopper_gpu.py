@@ -327,44 +327,48 @@ def test_splitk_down_on_the_benchmark_presets(preset, monkeypatch):
     test_benchmark_preset_matches_reference(preset)
 
 
+@pytest.mark.parametrize("form", ["PAIRS", "BULK"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
-def test_splitk_pairs_match_reference_and_the_unpaired_build_bit_for_bit(name, monkeypatch):
-    """KOG_HOPPER_SPLITK_PAIRS=1 (session 21): the grid in clusters of 2, each block adding both
-    blocks' partials of half the split-K stage's outputs (distributed shared memory). Logits and
-    greedy tokens match the reference, seeded sampling repeats, and the logits at every position
-    equal the unpaired build's exactly: each partial becomes fixed point on its own, so the
-    integer sums are the same (D = 192 on qwen2: halves of 12 groups of 8)."""
+def test_splitk_sum_forms_match_reference_and_the_default_bit_for_bit(name, form, monkeypatch):
+    """Two other forms of the split-K stage's sum (session 21): KOG_HOPPER_SPLITK_PAIRS=1, the grid
+    in clusters of 2 with each block adding both blocks' partials of half the outputs (distributed
+    shared memory), and KOG_HOPPER_SPLITK_BULK=1, a block's partials added by one bulk reduction of
+    the copy engine. Logits and greedy tokens match the reference, seeded sampling repeats, and
+    the logits at every position equal the default build's exactly: every partial becomes fixed
+    point on its own, so the integer sums are the same (D = 192 on qwen2: halves of 12 groups of 8)."""
     from kog_nvidia_hopper.backend import HopperBackend
     from kog_nvidia_hopper.plugin import CAPABILITIES
-    monkeypatch.setenv("KOG_HOPPER_SPLITK_PAIRS", "1")
+    monkeypatch.setenv(f"KOG_HOPPER_SPLITK_{form}", "1")
     arch, prog, w = model(name)
     ref, hb = _backends(prog, w)
     toks = np.random.default_rng(8).integers(0, prog.vocab_size, 100).tolist()
     try:
-        assert hb.pairs and hb.variant.get("SPLITK_PAIRS") == 1 and hb.splitk == prog.n_layers
+        assert hb.variant.get(f"SPLITK_{form}") == 1 and hb.splitk == prog.n_layers
+        assert hb.pairs == (form == "PAIRS")
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
         if name == "llama":
             _assert_sampling_seeded_and_as_defined(hb)
-        paired = hb.logits(toks)
+        other = hb.logits(toks)
     finally:
         hb.close()
-    monkeypatch.setenv("KOG_HOPPER_SPLITK_PAIRS", "0")
+    monkeypatch.setenv(f"KOG_HOPPER_SPLITK_{form}", "0")
     hb = HopperBackend()
     hb.capabilities = CAPABILITIES
     hb.load(prog, w)
     try:
-        assert not hb.pairs and "SPLITK_PAIRS" not in hb.variant
-        unpaired = hb.logits(toks)
+        assert f"SPLITK_{form}" not in hb.variant and hb.variant.get("SPLITK_DOWN") == 1
+        default = hb.logits(toks)
     finally:
         hb.close()
-    assert np.array_equal(paired, unpaired), \
-        f"{int((paired != unpaired).sum())} logits differ, max {float(np.abs(paired - unpaired).max()):.3g}"
+    assert np.array_equal(other, default), \
+        f"{int((other != default).sum())} logits differ, max {float(np.abs(other - default).max()):.3g}"
 
 
-def test_splitk_pairs_on_bench_2b(monkeypatch):
-    """KOG_HOPPER_SPLITK_PAIRS=1 at bench-2b's shapes (D = 2048: 256 groups of 8, 128 a block):
-    as test_benchmark_preset_matches_reference."""
-    monkeypatch.setenv("KOG_HOPPER_SPLITK_PAIRS", "1")
+@pytest.mark.parametrize("form", ["PAIRS", "BULK"])
+def test_splitk_sum_forms_on_bench_2b(form, monkeypatch):
+    """The split-K sum's other forms at bench-2b's shapes (D = 2048: 256 groups of 8, 128 a block
+    for pairs; 16 KB a bulk reduction): as test_benchmark_preset_matches_reference."""
+    monkeypatch.setenv(f"KOG_HOPPER_SPLITK_{form}", "1")
     test_benchmark_preset_matches_reference("bench-2b")
 
 

@@ -123,6 +123,13 @@ __shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]:
 #ifndef SPLITK_PAIRS
 #define SPLITK_PAIRS 0
 #endif
+// DEBUG_SPLITK (what-if builds for the perf notes, never for use; KOG_HOPPER_DEFINES=DEBUG_SPLITK=n;
+// the results are wrong on purpose): bit 0 the split-K stage adds no partials (no atomics), bit 1
+// no loader or residual adds the pending sum (no 16 KB accumulator reads). They ask which part of
+// the split-K stage's cost against the unfused stages is the atomics and which the pending reads.
+#ifndef DEBUG_SPLITK
+#define DEBUG_SPLITK 0
+#endif
 #if SPLITK_PAIRS && !SPLITK_DOWN
 #error "SPLITK_PAIRS pairs the split-K stage's partials: only with SPLITK_DOWN"
 #endif
@@ -131,6 +138,17 @@ __shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]:
 #error "SPLITK_PAIRS needs PAIR_RBUF_OFF, the receive buffer's byte offset in dynamic shared memory"
 #endif
 __shared__ u64 pair_bar;  // one phase a split-K stage: the partner's partials of this block's half landed
+#endif
+// SPLITK_BULK (with SPLITK_DOWN; KOG_HOPPER_SPLITK_BULK): the block's partials, as fixed point, go
+// to shared memory (SPLITK_STAGE_OFF of the dynamic shared memory, the end of the stage scratch)
+// and one bulk reduction of the copy engine adds them all into the accumulator at L2
+// (cp.reduce.async.bulk ... add.u64), instead of 2,048 red instructions a block on bench-2b;
+// thread 0 waits for its completion before the stage's end, so the release orders it.
+#ifndef SPLITK_BULK
+#define SPLITK_BULK 0
+#endif
+#if SPLITK_BULK && (!SPLITK_DOWN || SPLITK_PAIRS || !defined(SPLITK_STAGE_OFF))
+#error "SPLITK_BULK needs SPLITK_DOWN and SPLITK_STAGE_OFF, and not SPLITK_PAIRS"
 #endif
 #if SPLITK_DOWN && X_CPASYNC
 #error "SPLITK_DOWN adds the pending sums on the register path only: not with X_CPASYNC"
@@ -221,7 +239,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
     } else {  // the register path: XV float4 per thread in flight, then stored
 #if SPLITK_DOWN
         // a pending sum (MV_PEND): its float4s' accumulators in flight with the row's (K4 <= PEND_V NT)
-        const i64* pend = acc_of(st, MV_PEND, c.it);
+        const i64* pend = DEBUG_SPLITK & 2 ? nullptr : acc_of(st, MV_PEND, c.it);
         I64x2 pa[PEND_V][2];
         if (pend) {
 #pragma unroll
@@ -550,7 +568,7 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
     float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane hl = 0)
 #if SPLITK_DOWN
     // the residual's pending sum (lane 0 only), once a stage: c.it lives in local memory
-    const i64* rpend = acc_of(st, MV_RES_PEND, c.it);
+    const i64* rpend = DEBUG_SPLITK & 2 ? nullptr : acc_of(st, MV_RES_PEND, c.it);
 #endif
     for (int j = 0; j < nitems; ++j, ++q) {
         const u32 slot = q % NSLOTS;
@@ -695,6 +713,26 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
     while (!mbar_try_acquire_cluster(&pair_bar, parity)) { }
 #pragma unroll 4
     for (int i = 8 * lo8 + tid; i < 8 * hi8; i += NT) red_add_i64(acc + i, f2fix(xs[i]) + f2fix(rbuf[i - 8 * lo8]));
+#elif SPLITK_BULK
+    if (n8 == 0) return;  // no down items: nothing to add
+    i64* stg = (i64*)((char*)smem_f() + SPLITK_STAGE_OFF);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int g = tid + u * NT;
+        const float* a = u ? a1 : a0;
+        if (g >= n8) continue;
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) *(I64x2*)(stg + 8 * g + e) = I64x2{f2fix(a[e]), f2fix(a[e + 1])};
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's stores, seen by the copy engine
+    csync();
+    if (tid == 0) {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;"
+                     :: "l"(acc), "r"(smem_addr(stg)), "r"(64 * n8) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds performed at L2
+        asm volatile("fence.proxy.async.global;" ::: "memory");    // and ordered before the release
+    }
 #else
     if (tid < n8) { ((float4*)xs)[2 * tid] = make_float4(a0[0], a0[1], a0[2], a0[3]);
                     ((float4*)xs)[2 * tid + 1] = make_float4(a0[4], a0[5], a0[6], a0[7]); }
@@ -702,7 +740,7 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
                          ((float4*)xs)[2 * (tid + NT) + 1] = make_float4(a1[4], a1[5], a1[6], a1[7]); }
     csync();
 #pragma unroll 4
-    for (int i = tid; i < 8 * n8; i += NT) red_add_i64(acc + i, f2fix(xs[i]));
+    for (int i = tid; i < 8 * n8; i += NT) if (!(DEBUG_SPLITK & 1)) red_add_i64(acc + i, f2fix(xs[i]));
 #endif
 }
 #endif
