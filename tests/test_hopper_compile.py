@@ -1303,6 +1303,42 @@ def test_splitk_bulk_and_what_if_builds_compile_clean():
             _compile(**DEFAULT, **consts, **bad)
 
 
+def test_splitk_carry_plan_on_bench_2b():
+    """fuse_down_splitk(carry=True) on bench-2b: every layer's o_proj (x's last writer before the
+    split-K stage, one in-place residual segment of D rows) stores the next accumulator's start,
+    every reader of a pending x takes the accumulator alone (q/k/v's loader from layer 1 on,
+    o_proj's residual, the LM head's loader), the flags say so after finalize, and the carry build
+    compiles clean. Without carry nothing is marked."""
+    from kog_nvidia_hopper import schedule as S
+    prog = _bench2b_program()
+    plain = _bench2b_stages_as_loaded()
+    S.fuse_down_splitk(prog, plain, 32 * S.NW_DEFAULT)
+    assert not any(k in st.f for st in plain for k in ("_carry_out", "_carry", "_carry_in"))
+    stages = _bench2b_stages_as_loaded()
+    assert S.fuse_down_splitk(prog, stages, 32 * S.NW_DEFAULT, carry=True) == prog.n_layers
+    writers = [i for i, st in enumerate(stages) if st.f.get("_carry_out") is not None]
+    splitk = [i for i, st in enumerate(stages) if st.f.get("_splitk")]
+    assert len(writers) == len(splitk) == prog.n_layers
+    for k, (w, i) in enumerate(zip(writers, splitk)):
+        assert stages[w].label == "o_proj" and w == i - 1
+        assert stages[w].f["_carry_out"] == stages[i].f["_acc"] == k and stages[i].f["_carry_in"]
+    readers = [st for st in stages if st.f.get("_carry")]
+    assert len(readers) == 2 * (prog.n_layers - 1) + 1
+    assert all(("_pend_in" in st.f) != ("_pend_res" in st.f) for st in readers)
+    assert stages[-2].label == "lm_head" and stages[-2].f.get("_carry") and stages[-2].f["_pend_in"] == prog.n_layers - 1
+    for st in stages:
+        if st.type == "matvec":
+            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+            carried = bool(st.f.get("_carry") or st.f.get("_carry_in"))
+            assert bool(st.f["MV_FLAGS"] & S.CONSTS["MVF_CARRY"]) == carried
+    consts = dict(_bench2b_shape_consts())
+    carry, _, _ = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_CARRY=1)
+    unfused, _, _ = _compile(**DEFAULT, **consts, SPLITK_DOWN=1)
+    assert _code_bytes(carry) != _code_bytes(unfused)
+    with pytest.raises(Exception, match="SPLITK_CARRY"):
+        _compile(**DEFAULT, **consts, SPLITK_CARRY=1)
+
+
 def test_splitk_pairs_receive_buffer_lies_past_the_stage_own_scratch():
     """With pairs the split-K stage reserves the partner's partials (the larger half of D, as
     floats) at the end of the stage scratch, past its x row, norm weights and SwiGLU values, where

@@ -158,7 +158,14 @@ class HopperBackend(KernelBackend):
         if want_splitk and (x_cpasync or tag_down):
             raise KogError("KOG_HOPPER_SPLITK_DOWN=1 fuses down_proj, whose input KOG_HOPPER_X_CPASYNC / "
                            "KOG_HOPPER_TAG_DOWN change: set KOG_HOPPER_SPLITK_DOWN=0 with them")
-        self.splitk = S.fuse_down_splitk(program, stages, self.nt) if want_splitk else 0
+        # KOG_HOPPER_SPLITK_CARRY (session 21): the split-K accumulator starts from x (o_proj writes
+        # it too), so q/k/v's loader reads it alone, not x beside it (schedule.fuse_down_splitk)
+        want_carry = _env_int("KOG_HOPPER_SPLITK_CARRY", 0, lo=0, hi=1)
+        self.splitk = S.fuse_down_splitk(program, stages, self.nt, carry=bool(want_carry)) if want_splitk else 0
+        self.carry = any(st.f.get("_carry_out") is not None for st in stages)
+        if want_carry and os.environ.get("KOG_HOPPER_SPLITK_CARRY") and not self.carry:
+            raise KogError("KOG_HOPPER_SPLITK_CARRY=1 needs split-K stages whose x has one writer before them "
+                           "(a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1): unset KOG_HOPPER_SPLITK_CARRY")
         # KOG_HOPPER_SPLITK_PAIRS (session 21): clusters of 2 blocks, each adding both blocks' partials
         # of half the split-K stage's outputs (matvec.cuh SPLITK_PAIRS): half the 64-bit atomics.
         # Needs an even grid; a GPU that cannot hold every pair at once falls back (load, below).
@@ -352,6 +359,8 @@ class HopperBackend(KernelBackend):
             variant["TAG_DOWN"] = 1
         if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)
             variant["SPLITK_DOWN"] = 1
+        if self.carry:  # KOG_HOPPER_SPLITK_CARRY
+            variant["SPLITK_CARRY"] = 1
         if self.pairs:  # the partner's partials land at the end of the stage scratch
             rbuf = max(S.pair_rbuf_bytes(st) for st in stages if st.f.get("_splitk"))
             variant.update(SPLITK_PAIRS=1, PAIR_RBUF_OFF=(scratch - rbuf) // 16 * 16)
@@ -435,7 +444,8 @@ class HopperBackend(KernelBackend):
         base = self._alloc(at)
         check(self.drv.cuMemsetD32(base, 0, at // 4), "cuMemsetD32(split-K accumulators)")
         for st in stages:
-            for key, slot in (("_acc", "MV_ACC"), ("_pend_in", "MV_PEND"), ("_pend_res", "MV_RES_PEND")):
+            for key, slot in (("_acc", "MV_ACC"), ("_pend_in", "MV_PEND"), ("_pend_res", "MV_RES_PEND"),
+                              ("_carry_out", "MV_CARRY_OUT")):
                 if key in st.f:
                     st.f[slot] = base + offs[st.f[key]]
         return base, at

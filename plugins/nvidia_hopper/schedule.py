@@ -35,6 +35,7 @@ SLOTS = dict(
     MV_EPS=9, MV_EMB_TABLE=10, MV_EMB_OUT=11, MV_L=12, MV_NSEG=13, MV_ARGMAX=14, MV_OUT_STRIDE=15, MV_SEG0=16,
     MV_PACKED=65, MV_ATTN=66, MV_TAG=67,
     MV_ACC=68, MV_PEND=69, MV_RES_PEND=70, MV_ACC_D=71,  # split-K down_proj (fuse_down_splitk)
+    MV_CARRY_OUT=72,  # fuse_down_splitk(carry=True): the accumulator x's writer also fills
     SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
     SEG_RESL=8, SEG_W2=9, SEG_LRX=10, SEG_LRD=11,
     # attention
@@ -54,7 +55,7 @@ CONSTS = dict(
     SG_ROUNDS=24,  # the grid sampler's rounds a token at most (sample_grid.cuh: 3 selects of 8 passes)
     SAMPLE_CAP=2048,  # block 0's sampler (sample.cuh radix_select): candidates listed in shared memory once that few
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
-    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64,
+    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64, MVF_CARRY=128,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
     OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
 )
@@ -547,7 +548,7 @@ SPLITK_PEND_V = 2  # matvec.cuh PEND_V: float4s of a pending input row a thread 
 FIX_BITS = 32      # matvec.cuh f2fix: the split-K partials' fixed point, 2^-32 (|sum| < 2^31)
 
 
-def fuse_down_splitk(P, stages, nt: int) -> int:
+def fuse_down_splitk(P, stages, nt: int, carry: bool = False) -> int:
     """KOG_HOPPER_SPLITK_DOWN (the default for Llama-family layers since v28): gate/up and down_proj
     as one stage, so a layer's MLP has one grid-wide boundary instead of two and down_proj loads
     no 8k-float input row.
@@ -570,7 +571,14 @@ def fuse_down_splitk(P, stages, nt: int) -> int:
     not a writer of x). Mutates `stages`: the down stage goes, its ops join the gate/up stage, whose
     segments gain the down segment (`_splitk`: its rows are dealt with the pair's, stream_plan).
     Fused stages get f["_acc"] = k (accumulator k, [2][D] int64, the backend allocates), readers
-    f["_pend_in"] / f["_pend_res"] = k. Returns the number of fused stages."""
+    f["_pend_in"] / f["_pend_res"] = k. Returns the number of fused stages.
+
+    carry (KOG_HOPPER_SPLITK_CARRY): the accumulator starts from x instead of zero. The stage that
+    last writes x before the pair (o_proj's residual, one segment of D rows) also writes each row's
+    value in fixed point into it (f["_carry_out"] = k, MV_CARRY_OUT), so the readers of the pending
+    x (f["_carry"]: MVF_CARRY) read the accumulator alone: a loader 16 KB instead of 24 on bench-2b,
+    where every block pulls the same lines. The split-K stage then zeroes nothing. Pairs without
+    such a writer keep the zero start."""
     def refs(st, name):
         """Fields of a stage that name tensor `name`: (field, value) of st.f and of every segment."""
         tag = "@" + name
@@ -644,8 +652,27 @@ def fuse_down_splitk(P, stages, nt: int) -> int:
         fused_downs.add(i + 1)
     if not fused:
         return 0
+    def carry_writer(i, x, D):
+        """The stage that last writes x before stage i, if it writes all of it as one in-place residual."""
+        for j in range(i - 1, -1, -1):
+            r = refs(stages[j], x)
+            if not any(k == "SEG_OUT" for k, _ in r):
+                continue
+            st = stages[j]
+            segs = [sg for sg in st.segs if sg["SEG_OUT"] == "@" + x]
+            ok = (st.type == "matvec" and len(segs) == 1 and segs[0]["SEG_RES"] == "@" + x and segs[0]["lanes"] == 1
+                  and int(segs[0]["SEG_N"]) == D and st.f["MV_L"] == 1 and not st.f.get("_splitk"))
+            return j if ok else None
+        return None
+
     for k, (i, D, loads, resid) in enumerate(sorted(fused)):
         st, nx = stages[i], stages[i + 1]
+        w = carry_writer(i, nx.segs[0]["out_name"], D) if carry else None
+        if w is not None:
+            stages[w].f.update(_carry_out=k, MV_ACC_D=D)
+            st.f["_carry_in"] = True
+            for j in loads + resid:
+                stages[j].f["_carry"] = True
         d = dict(nx.segs[0])
         d.update(SEG_OUT=0, SEG_RES=0, SEG_RESL=0, _splitk=True, _k=int(st.segs[0]["SEG_N"]))
         st.segs.append(d)
@@ -1017,5 +1044,7 @@ def finalize_matvec(st: Stage, nb: int, logits_name: str, argmax_alloc, logits_n
         flags |= 2
     if st.f.get("_splitk"):
         flags |= CONSTS["MVF_SPLITK"]
+    if st.f.get("_carry") or st.f.get("_carry_in"):  # fuse_down_splitk(carry=True): x rides in the accumulator
+        flags |= CONSTS["MVF_CARRY"]
     st.f["MV_FLAGS"] = flags
     return st

@@ -364,7 +364,25 @@ def test_splitk_sum_forms_match_reference_and_the_default_bit_for_bit(name, form
         f"{int((other != default).sum())} logits differ, max {float(np.abs(other - default).max()):.3g}"
 
 
-@pytest.mark.parametrize("form", ["PAIRS", "BULK"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_splitk_carry_matches_reference(name, monkeypatch):
+    """KOG_HOPPER_SPLITK_CARRY=1 (session 21): the split-K accumulator starts from x (o_proj stores
+    its output in fixed point there too) and the pending x's readers take it alone. Logits at every
+    position and greedy tokens match the reference (several launches: each token's o_proj restores
+    the accumulator, which nothing zeroes), and seeded sampling repeats."""
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_CARRY", "1")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("SPLITK_CARRY") == 1 and hb.carry and hb.splitk == prog.n_layers
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+        if name == "llama":
+            _assert_sampling_seeded_and_as_defined(hb)
+    finally:
+        hb.close()
+
+
+@pytest.mark.parametrize("form", ["PAIRS", "BULK", "CARRY"])
 def test_splitk_sum_forms_on_bench_2b(form, monkeypatch):
     """The split-K sum's other forms at bench-2b's shapes (D = 2048: 256 groups of 8, 128 a block
     for pairs; 16 KB a bulk reduction): as test_benchmark_preset_matches_reference."""

@@ -130,6 +130,17 @@ __shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]:
 #ifndef DEBUG_SPLITK
 #define DEBUG_SPLITK 0
 #endif
+// SPLITK_CARRY (with SPLITK_DOWN; KOG_HOPPER_SPLITK_CARRY; schedule.fuse_down_splitk(carry=True)):
+// the split-K accumulator starts from x. The stage that writes x before the split-K stage also
+// stores each row's value in fixed point into it (MV_CARRY_OUT); readers of the pending x (MVF_CARRY)
+// take the accumulator alone (a loader's 16 KB, not 24 with x), and the split-K stage zeroes
+// nothing (every entry is stored again before the next token's adds).
+#ifndef SPLITK_CARRY
+#define SPLITK_CARRY 0
+#endif
+#if SPLITK_CARRY && !SPLITK_DOWN
+#error "SPLITK_CARRY starts the split-K accumulators from x: only with SPLITK_DOWN"
+#endif
 #if SPLITK_PAIRS && !SPLITK_DOWN
 #error "SPLITK_PAIRS pairs the split-K stage's partials: only with SPLITK_DOWN"
 #endif
@@ -240,6 +251,8 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
 #if SPLITK_DOWN
         // a pending sum (MV_PEND): its float4s' accumulators in flight with the row's (K4 <= PEND_V NT)
         const i64* pend = DEBUG_SPLITK & 2 ? nullptr : acc_of(st, MV_PEND, c.it);
+        // SPLITK_CARRY: the accumulator holds x + the partials, so x itself is not read
+        const bool carried = SPLITK_CARRY && pend && ((int)st[MV_FLAGS] & MVF_CARRY);
         I64x2 pa[PEND_V][2];
         if (pend) {
 #pragma unroll
@@ -259,6 +272,10 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                         const uint2 e = *(const uint2*)(tab + 4 * i);
                         v[u] = make_float4(bf_lo(e.x), bf_hi(e.x), bf_lo(e.y), bf_hi(e.y));
                     } else {
+#if SPLITK_DOWN
+                        if (carried) v[u] = make_float4(0.f, 0.f, 0.f, 0.f);  // + the accumulator below
+                        else
+#endif
                         v[u] = __ldcg((const float4*)in + i);
                     }
                 }
@@ -536,11 +553,14 @@ __device__ __forceinline__ float half_warp_sum(float v) {  // within each 16-lan
 // running (max, index) updated (NaN never wins; ties go to the lower index).
 __device__ __forceinline__ void mv_emit_pair(float* out, int r0, int r1, bool vb, float y0, float y1,
                                              float b0, float b1, float e0, float e1, const void* bias, const void* res,
-                                             int flags, float& best, int& bidx) {
+                                             int flags, float& best, int& bidx, i64* cout = nullptr) {
     if (bias) { y0 += b0; if (vb) y1 += b1; }
     if (res) { y0 += e0; if (vb) y1 += e1; }
     out[r0] = y0;
     if (vb) out[r1] = y1;
+#if SPLITK_CARRY
+    if (cout) { cout[r0] = f2fix(y0); if (vb) cout[r1] = f2fix(y1); }  // the next split-K sum's start
+#endif
     if (flags & MVF_ARGMAX) {
         if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
         if (vb && (y1 > best || (y1 == best && r1 < bidx))) { best = y1; bidx = r1; }
@@ -569,6 +589,12 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
 #if SPLITK_DOWN
     // the residual's pending sum (lane 0 only), once a stage: c.it lives in local memory
     const i64* rpend = DEBUG_SPLITK & 2 ? nullptr : acc_of(st, MV_RES_PEND, c.it);
+    const bool rcarried = SPLITK_CARRY && rpend && (flags & MVF_CARRY);  // x + pending is the accumulator alone
+#if SPLITK_CARRY
+    i64* cout = (i64*)acc_of(st, MV_CARRY_OUT, c.it);
+#else
+    i64* cout = nullptr;
+#endif
 #endif
     for (int j = 0; j < nitems; ++j, ++q) {
         const u32 slot = q % NSLOTS;
@@ -596,9 +622,12 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
                 const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]);
             }
             if (res) {
-                const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1);
 #if SPLITK_DOWN
+                const float* rr = res + lane * sg[SEG_RESL];
+                if (!rcarried) { e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
                 if (rpend) { e0 += fix2f(ldi64(rpend + r0)); if (vb) e1 += fix2f(ldi64(rpend + r1)); }
+#else
+                const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1);
 #endif
             }
         }
@@ -645,7 +674,11 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
             else out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
             continue;
         }
+#if SPLITK_DOWN
+        mv_emit_pair(out, r0, r1, vb, acc0, acc1, b0, b1, e0, e1, bias, res, flags, best, bidx, cout);
+#else
         mv_emit_pair(out, r0, r1, vb, acc0, acc1, b0, b1, e0, e1, bias, res, flags, best, bidx);
+#endif
     }
 #ifdef TRACE
     if (c.tr && threadIdx.x == 0) c.tr[8] = twait;
@@ -807,7 +840,8 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
     if (flags & MVF_SPLITK) {  // gate/up items into shared memory, then down_proj's (schedule.fuse_down_splitk)
         const int ndown = c.blk.w & 0xff, rbase = c.blk.w >> 8;
         float* hs = xs + nl * K + (nws ? K / 2 : 0);  // after the x row and the norm weights (backend _ring_slots)
-        {  // this block's slice of the other parity's accumulator, for the next token (its readers are done)
+        if (!(SPLITK_CARRY && (flags & MVF_CARRY))) {  // this block's slice of the other parity's
+            // accumulator, for the next token (its readers are done; SPLITK_CARRY: x's writer stores it)
             const int D = (int)st[MV_ACC_D];
             i64* other = (i64*)st[MV_ACC] + ((c.it + 1) & 1) * D;
 #pragma unroll 1
