@@ -1295,7 +1295,7 @@ def test_splitk_bulk_and_what_if_builds_compile_clean():
     bulk, _, _ = _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_BULK=1, SPLITK_STAGE_OFF=14336)
     unpaired, _, _ = _compile(**DEFAULT, **consts, SPLITK_DOWN=1)
     assert _code_bytes(bulk) != _code_bytes(unpaired)
-    for n in (1, 2, 3):
+    for n in (1, 2, 4, 7):
         _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, DEBUG_SPLITK=n)
     for bad in (dict(SPLITK_DOWN=1, SPLITK_BULK=1),
                 dict(SPLITK_DOWN=1, SPLITK_BULK=1, SPLITK_STAGE_OFF=14336, SPLITK_PAIRS=1, PAIR_RBUF_OFF=16384)):

@@ -125,8 +125,9 @@ __shared__ float s_normsq[DEFER_NORM_LANES * NW];  // [lane of the block][warp]:
 #endif
 // DEBUG_SPLITK (what-if builds for the perf notes, never for use; KOG_HOPPER_DEFINES=DEBUG_SPLITK=n;
 // the results are wrong on purpose): bit 0 the split-K stage adds no partials (no atomics), bit 1
-// no loader or residual adds the pending sum (no 16 KB accumulator reads). They ask which part of
-// the split-K stage's cost against the unfused stages is the atomics and which the pending reads.
+// no loader adds the pending sum (no 16 KB accumulator reads), bit 2 no residual adds it (o_proj's
+// rows). They ask which part of the split-K stage's cost against the unfused stages is the
+// atomics and which the pending reads.
 #ifndef DEBUG_SPLITK
 #define DEBUG_SPLITK 0
 #endif
@@ -588,7 +589,7 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
     float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane hl = 0)
 #if SPLITK_DOWN
     // the residual's pending sum (lane 0 only), once a stage: c.it lives in local memory
-    const i64* rpend = DEBUG_SPLITK & 2 ? nullptr : acc_of(st, MV_RES_PEND, c.it);
+    const i64* rpend = DEBUG_SPLITK & 4 ? nullptr : acc_of(st, MV_RES_PEND, c.it);
     const bool rcarried = SPLITK_CARRY && rpend && (flags & MVF_CARRY);  // x + pending is the accumulator alone
 #if SPLITK_CARRY
     i64* cout = (i64*)acc_of(st, MV_CARRY_OUT, c.it);
