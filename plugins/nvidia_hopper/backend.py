@@ -163,20 +163,24 @@ class HopperBackend(KernelBackend):
         want_carry = _env_int("KOG_HOPPER_SPLITK_CARRY", 0, lo=0, hi=1)
         self.splitk = S.fuse_down_splitk(program, stages, self.nt, carry=bool(want_carry)) if want_splitk else 0
         self.carry = any(st.f.get("_carry_out") is not None for st in stages)
-        if want_carry and os.environ.get("KOG_HOPPER_SPLITK_CARRY") and not self.carry:
+        if want_carry and not self.carry:
             raise KogError("KOG_HOPPER_SPLITK_CARRY=1 needs split-K stages whose x has one writer before them "
                            "(a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1): unset KOG_HOPPER_SPLITK_CARRY")
         # KOG_HOPPER_SPLITK_PAIRS (session 21): clusters of 2 blocks, each adding both blocks' partials
         # of half the split-K stage's outputs (matvec.cuh SPLITK_PAIRS): half the 64-bit atomics.
-        # Needs an even grid; a GPU that cannot hold every pair at once falls back (load, below).
+        # Needs an even grid and every pair co-resident (checked once the kernel is loaded).
         want_pairs = _env_int("KOG_HOPPER_SPLITK_PAIRS", 0, lo=0, hi=1)
-        if want_pairs and os.environ.get("KOG_HOPPER_SPLITK_PAIRS") and not (self.splitk and self.nb % 2 == 0):
+        if want_pairs and not (self.splitk and self.nb % 2 == 0):
             raise KogError(f"KOG_HOPPER_SPLITK_PAIRS=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
                            f"and an even number of blocks (here {self.nb}): unset KOG_HOPPER_SPLITK_PAIRS")
         self.pairs = bool(want_pairs and self.splitk and self.nb % 2 == 0)
         # KOG_HOPPER_SPLITK_BULK (session 21): the split-K partials added by one bulk reduction of the
         # copy engine a block (matvec.cuh SPLITK_BULK) instead of red instructions
-        self.splitk_bulk = bool(_env_int("KOG_HOPPER_SPLITK_BULK", 0, lo=0, hi=1) and self.splitk)
+        want_bulk = _env_int("KOG_HOPPER_SPLITK_BULK", 0, lo=0, hi=1)
+        if want_bulk and not self.splitk:
+            raise KogError("KOG_HOPPER_SPLITK_BULK=1 needs split-K stages (a Llama-family model, "
+                           "KOG_HOPPER_SPLITK_DOWN=1): unset KOG_HOPPER_SPLITK_BULK")
+        self.splitk_bulk = bool(want_bulk)
         if self.splitk_bulk and self.pairs:
             raise KogError("KOG_HOPPER_SPLITK_BULK=1 and KOG_HOPPER_SPLITK_PAIRS=1 are two forms of the same "
                            "sum: set one of them")
@@ -406,16 +410,11 @@ class HopperBackend(KernelBackend):
         occ = check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, self.nthreads, self.smem), "occupancy")
         if occ < 1:
             raise KogError(f"the nvidia_hopper kernel does not fit on an SM ({self.smem} bytes shared memory)")
-        if self.pairs:  # every pair co-resident, or the build without pairs (the same layout serves it)
+        if self.pairs:  # every pair co-resident (a cluster launch cannot promise it otherwise)
             fits = check(drv.cuOccupancyMaxActiveClusters(self.fn, self._launch_config()), "cuOccupancyMaxActiveClusters")
             if 2 * fits < self.nb:
-                if os.environ.get("KOG_HOPPER_SPLITK_PAIRS"):
-                    raise KogError(f"KOG_HOPPER_SPLITK_PAIRS=1: only {fits} clusters of 2 fit at once, the grid "
-                                   f"needs {self.nb // 2}: unset KOG_HOPPER_SPLITK_PAIRS")
-                self.pairs = False
-                for k in ("SPLITK_PAIRS", "PAIR_RBUF_OFF"):
-                    variant.pop(k)
-                self._load_kernel(variant)
+                raise KogError(f"KOG_HOPPER_SPLITK_PAIRS=1: only {fits} clusters of 2 fit at once, the grid "
+                               f"needs {self.nb // 2}: unset KOG_HOPPER_SPLITK_PAIRS")
         # run parameters, prompt, stop ids, sampling scratch, host-mapped outputs
         self.d_run = self._alloc(S.NRUN * 8)
         self.d_prompt = self._alloc(self.T * 4)
@@ -575,9 +574,6 @@ class HopperBackend(KernelBackend):
     def _load_kernel(self, variant: dict) -> None:
         """Compile the kernel for `variant` (cached on disk), load it and allow its shared memory."""
         drv = self.drv
-        if getattr(self, "module", None) is not None:  # a build being replaced (the pairs' fallback)
-            check(drv.cuModuleUnload(self.module), "cuModuleUnload")
-            self.module = None
         cubin, log = compile_cubin(source(S.header(variant)))
         self.ptxas = ptxas_report(log)
         self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
