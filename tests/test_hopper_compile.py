@@ -1339,6 +1339,37 @@ def test_splitk_carry_plan_on_bench_2b():
         _compile(**DEFAULT, **consts, SPLITK_CARRY=1)
 
 
+def test_splitk_perm_layout_makes_the_loaders_reads_contiguous():
+    """SPLITK_PERM's accumulator order (schedule.acc_ix, mirroring matvec.cuh): a bijection on every
+    padded block of 128 values; a loader warp's two 16-byte loads a thread (the int64 pairs
+    (4q, 4q + 1) and (4q + 2, 4q + 3) of lane q's float4) each read 512 contiguous bytes; a warp's
+    32 consecutive atomics land in two runs of 16 int64s (128 bytes). The builds compile clean,
+    with carry and pairs too; with the bulk reduction they are refused."""
+    from kog_nvidia_hopper import schedule as S
+    for D in (192, 2048, 2560):
+        Dp = S.acc_len(D, True)
+        assert Dp % 128 == 0 and Dp - D < 128 and S.acc_len(D) == D
+        ix = S.acc_ix(np.arange(Dp))
+        assert sorted(ix.tolist()) == list(range(Dp))
+        assert (ix // 128 == np.arange(Dp) // 128).all()
+    i = np.arange(2048)
+    for u in (0, 1):  # a warp's load instruction u over float4s q = 32 w .. 32 w + 31
+        for w in range(2048 // 128):
+            q = 32 * w + np.arange(32)
+            first = S.acc_ix(4 * q + 2 * u)
+            assert (S.acc_ix(4 * q + 2 * u + 1) == first + 1).all()
+            assert (np.diff(first) == 2).all() and first[0] % 64 == 0  # 32 x 16 bytes, contiguous
+    for w in range(2048 // 32):  # a warp's atomics: 32 consecutive outputs
+        pos = np.sort(S.acc_ix(i[32 * w:32 * w + 32]))
+        runs = np.split(pos, np.where(np.diff(pos) != 1)[0] + 1)
+        assert len(runs) == 2 and all(len(r) == 16 and r[0] % 16 == 0 for r in runs)
+    consts = dict(_bench2b_shape_consts())
+    for extra in (dict(), dict(SPLITK_CARRY=1), dict(SPLITK_PAIRS=1, PAIR_RBUF_OFF=16384)):
+        _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_PERM=1, **extra)
+    with pytest.raises(Exception, match="SPLITK_PERM"):
+        _compile(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_PERM=1, SPLITK_BULK=1, SPLITK_STAGE_OFF=14336)
+
+
 def test_splitk_pairs_receive_buffer_lies_past_the_stage_own_scratch():
     """With pairs the split-K stage reserves the partner's partials (the larger half of D, as
     floats) at the end of the stage scratch, past its x row, norm weights and SwiGLU values, where

@@ -181,6 +181,12 @@ class HopperBackend(KernelBackend):
             raise KogError("KOG_HOPPER_SPLITK_BULK=1 needs split-K stages (a Llama-family model, "
                            "KOG_HOPPER_SPLITK_DOWN=1): unset KOG_HOPPER_SPLITK_BULK")
         self.splitk_bulk = bool(want_bulk)
+        # KOG_HOPPER_SPLITK_PERM (session 21, not yet run on a GPU): the accumulators' int64s in the
+        # loaders' order, so a pending row's loads read whole sectors (matvec.cuh SPLITK_PERM)
+        self.splitk_perm = bool(_env_int("KOG_HOPPER_SPLITK_PERM", 0, lo=0, hi=1))
+        if self.splitk_perm and (not self.splitk or self.splitk_bulk):
+            raise KogError("KOG_HOPPER_SPLITK_PERM=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
+                           "and not KOG_HOPPER_SPLITK_BULK: unset one of them")
         if self.splitk_bulk and self.pairs:
             raise KogError("KOG_HOPPER_SPLITK_BULK=1 and KOG_HOPPER_SPLITK_PAIRS=1 are two forms of the same "
                            "sum: set one of them")
@@ -365,6 +371,8 @@ class HopperBackend(KernelBackend):
             variant["SPLITK_DOWN"] = 1
         if self.carry:  # KOG_HOPPER_SPLITK_CARRY
             variant["SPLITK_CARRY"] = 1
+        if self.splitk_perm:  # KOG_HOPPER_SPLITK_PERM
+            variant["SPLITK_PERM"] = 1
         if self.pairs:  # the partner's partials land at the end of the stage scratch
             rbuf = max(S.pair_rbuf_bytes(st) for st in stages if st.f.get("_splitk"))
             variant.update(SPLITK_PAIRS=1, PAIR_RBUF_OFF=(scratch - rbuf) // 16 * 16)
@@ -434,7 +442,8 @@ class HopperBackend(KernelBackend):
         """The split-K stages' fixed-point accumulators (schedule.fuse_down_splitk): [2][D] int64 each,
         one allocation the launch zeroes; their addresses go into the fused stages (MV_ACC) and their
         readers (MV_PEND, MV_RES_PEND). Returns (device address, bytes); (0, 0) without such stages."""
-        sizes = {st.f["_acc"]: 2 * int(st.f["MV_ACC_D"]) * 8 for st in stages if "_acc" in st.f}
+        perm = getattr(self, "splitk_perm", False)
+        sizes = {st.f["_acc"]: 2 * S.acc_len(int(st.f["MV_ACC_D"]), perm) * 8 for st in stages if "_acc" in st.f}
         if not sizes:
             return 0, 0
         offs, at = {}, 0

@@ -695,6 +695,19 @@ def pair_rbuf_bytes(st: "Stage") -> int:
     return 8 * (n8 - n8 // 2) * 4
 
 
+def acc_len(D: int, perm: bool = False) -> int:
+    """int64s a split-K accumulator holds per token parity (matvec.cuh acc_len): D, or with SPLITK_PERM
+    (the loaders' order, 128 values a block) D rounded up to a multiple of 128."""
+    return (D + 127) // 128 * 128 if perm else D
+
+
+def acc_ix(i, perm: bool = True):
+    """Where output i's int64 lives in an accumulator (matvec.cuh acc_ix; numpy arrays too)."""
+    if not perm:
+        return i
+    return (i & ~127) | ((i & 2) << 5) | ((i >> 1) & 62) | (i & 1)
+
+
 def splitk_stage_bytes(st: "Stage") -> int:
     """SPLITK_BULK: a split-K stage's fixed-point partials in shared memory, D int64 (the bulk
     reduction's source, matvec.cuh mv_down_items)."""

@@ -382,7 +382,36 @@ def test_splitk_carry_matches_reference(name, monkeypatch):
         hb.close()
 
 
-@pytest.mark.parametrize("form", ["PAIRS", "BULK", "CARRY"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_splitk_perm_matches_reference_and_the_default_bit_for_bit(name, monkeypatch):
+    """KOG_HOPPER_SPLITK_PERM=1 (session 21): the accumulators' int64s in the loaders' order (D = 192
+    on qwen2: a padded block of 128). The same sums in other places: logits at every position equal
+    the default build's exactly, and greedy tokens and logits match the reference."""
+    from kog_nvidia_hopper.backend import HopperBackend
+    from kog_nvidia_hopper.plugin import CAPABILITIES
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_PERM", "1")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    toks = np.random.default_rng(9).integers(0, prog.vocab_size, 100).tolist()
+    try:
+        assert hb.variant.get("SPLITK_PERM") == 1 and hb.splitk == prog.n_layers
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+        permuted = hb.logits(toks)
+    finally:
+        hb.close()
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_PERM", "0")
+    hb = HopperBackend()
+    hb.capabilities = CAPABILITIES
+    hb.load(prog, w)
+    try:
+        assert "SPLITK_PERM" not in hb.variant
+        default = hb.logits(toks)
+    finally:
+        hb.close()
+    assert np.array_equal(permuted, default)
+
+
+@pytest.mark.parametrize("form", ["PAIRS", "BULK", "CARRY", "PERM"])
 def test_splitk_sum_forms_on_bench_2b(form, monkeypatch):
     """The split-K sum's other forms at bench-2b's shapes (D = 2048: 256 groups of 8, 128 a block
     for pairs; 16 KB a bulk reduction): as test_benchmark_preset_matches_reference."""

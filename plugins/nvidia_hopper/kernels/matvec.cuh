@@ -186,9 +186,30 @@ __device__ __forceinline__ I64x2 ldcg_i64x2(const i64* p) {  // written inside t
     return r;
 }
 // The accumulator of this token's parity (MV_ACC, MV_PEND or MV_RES_PEND: [2][D] int64)
+// SPLITK_PERM (with SPLITK_DOWN; KOG_HOPPER_SPLITK_PERM): the accumulators' int64s in the loaders'
+// order. A loader thread takes one float4 of the pending row, so 32 bytes of int64s, in two 16-byte
+// loads; in output order a warp's load instruction then touches all 32 sectors of its 1 KB and
+// uses half of each (twice the L2 traffic of the data). Permuted, each block of 128 values (a
+// warp's 32 float4s) holds first the pairs (4q, 4q + 1) of its float4s, then the pairs (4q + 2,
+// 4q + 3): each load instruction reads 512 contiguous bytes. A warp's atomics still cover two runs
+// of 128 bytes. The accumulators are padded to a multiple of 128 values (schedule.acc_len).
+#ifndef SPLITK_PERM
+#define SPLITK_PERM 0
+#endif
+#if SPLITK_PERM && (!SPLITK_DOWN || SPLITK_BULK)
+#error "SPLITK_PERM permutes the split-K accumulators: with SPLITK_DOWN, not with SPLITK_BULK"
+#endif
+__device__ __forceinline__ int acc_ix(int i) {  // where output i's int64 lives in an accumulator
+#if SPLITK_PERM
+    return (i & ~127) | ((i & 2) << 5) | ((i >> 1) & 62) | (i & 1);
+#else
+    return i;
+#endif
+}
+__device__ __forceinline__ i64 acc_len(i64 D) { return SPLITK_PERM ? (D + 127) & ~127LL : D; }
 __device__ __forceinline__ const i64* acc_of(const i64* st, int slot, int it) {
     const i64* a = (const i64*)st[slot];
-    return a ? a + (it & 1) * st[MV_ACC_D] : nullptr;
+    return a ? a + (it & 1) * acc_len(st[MV_ACC_D]) : nullptr;
 }
 
 // NORM_RCP (the backend sets it by default since v18b; KOG_HOPPER_NORM_RCP=0 for the division):
@@ -259,7 +280,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
 #pragma unroll
             for (int u = 0; u < PEND_V; ++u) {
                 const int i = u * NT + tid;
-                if (i < K4) { pa[u][0] = ldcg_i64x2(pend + 4 * i); pa[u][1] = ldcg_i64x2(pend + 4 * i + 2); }
+                if (i < K4) { pa[u][0] = ldcg_i64x2(pend + acc_ix(4 * i)); pa[u][1] = ldcg_i64x2(pend + acc_ix(4 * i + 2)); }
             }
         }
 #endif
@@ -560,7 +581,7 @@ __device__ __forceinline__ void mv_emit_pair(float* out, int r0, int r1, bool vb
     out[r0] = y0;
     if (vb) out[r1] = y1;
 #if SPLITK_CARRY
-    if (cout) { cout[r0] = f2fix(y0); if (vb) cout[r1] = f2fix(y1); }  // the next split-K sum's start
+    if (cout) { cout[acc_ix(r0)] = f2fix(y0); if (vb) cout[acc_ix(r1)] = f2fix(y1); }  // the next split-K sum's start
 #endif
     if (flags & MVF_ARGMAX) {
         if (y0 > best || (y0 == best && r0 < bidx)) { best = y0; bidx = r0; }
@@ -626,7 +647,7 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
 #if SPLITK_DOWN
                 const float* rr = res + lane * sg[SEG_RESL];
                 if (!rcarried) { e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
-                if (rpend) { e0 += fix2f(ldi64(rpend + r0)); if (vb) e1 += fix2f(ldi64(rpend + r1)); }
+                if (rpend) { e0 += fix2f(ldi64(rpend + acc_ix(r0))); if (vb) e1 += fix2f(ldi64(rpend + acc_ix(r1))); }
 #else
                 const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1);
 #endif
@@ -746,7 +767,8 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
     if (tid == 0) mbar_arrive_cluster(mapa_shared(&pair_bar, rank ^ 1u));
     while (!mbar_try_acquire_cluster(&pair_bar, parity)) { }
 #pragma unroll 4
-    for (int i = 8 * lo8 + tid; i < 8 * hi8; i += NT) red_add_i64(acc + i, f2fix(xs[i]) + f2fix(rbuf[i - 8 * lo8]));
+    for (int i = 8 * lo8 + tid; i < 8 * hi8; i += NT)
+        red_add_i64(acc + acc_ix(i), f2fix(xs[i]) + f2fix(rbuf[i - 8 * lo8]));
 #elif SPLITK_BULK
     if (n8 == 0) return;  // no down items: nothing to add
     i64* stg = (i64*)((char*)smem_f() + SPLITK_STAGE_OFF);
@@ -774,7 +796,7 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
                          ((float4*)xs)[2 * (tid + NT) + 1] = make_float4(a1[4], a1[5], a1[6], a1[7]); }
     csync();
 #pragma unroll 4
-    for (int i = tid; i < 8 * n8; i += NT) if (!(DEBUG_SPLITK & 1)) red_add_i64(acc + i, f2fix(xs[i]));
+    for (int i = tid; i < 8 * n8; i += NT) if (!(DEBUG_SPLITK & 1)) red_add_i64(acc + acc_ix(i), f2fix(xs[i]));
 #endif
 }
 #endif
@@ -843,7 +865,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         float* hs = xs + nl * K + (nws ? K / 2 : 0);  // after the x row and the norm weights (backend _ring_slots)
         if (!(SPLITK_CARRY && (flags & MVF_CARRY))) {  // this block's slice of the other parity's
             // accumulator, for the next token (its readers are done; SPLITK_CARRY: x's writer stores it)
-            const int D = (int)st[MV_ACC_D];
+            const int D = (int)acc_len(st[MV_ACC_D]);  // (SPLITK_PERM: the padding too)
             i64* other = (i64*)st[MV_ACC] + ((c.it + 1) & 1) * D;
 #pragma unroll 1
             for (int i = D * (int)blockIdx.x / nb + tid; i < D * ((int)blockIdx.x + 1) / nb; i += NT) other[i] = 0;
