@@ -1370,6 +1370,33 @@ def test_splitk_perm_layout_makes_the_loaders_reads_contiguous():
         _compile(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_PERM=1, SPLITK_BULK=1, SPLITK_STAGE_OFF=14336)
 
 
+@pytest.mark.parametrize("perm,carry", [(False, False), (True, False), (True, True)])
+def test_diagnose_reads_the_pending_sum_in_output_order(perm, carry):
+    """diagnose._splitk_pending reads the last split-K accumulator of the last position's parity back
+    in output order (SPLITK_PERM: padded, permuted) and says whether it carries x (SPLITK_CARRY)."""
+    import ctypes
+    from types import SimpleNamespace
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.diagnose import _splitk_pending
+    stages = _bench2b_stages_as_loaded()
+    S.fuse_down_splitk(_bench2b_program(), stages, 32 * S.NW_DEFAULT, carry=carry)
+    D, n = 2048, 3
+    Dp = S.acc_len(D, perm)
+    want = np.arange(D) * 2.0 ** -20 - 1.0  # exact in fixed point and in float32
+    dev = np.zeros(2 * Dp, np.int64)
+    dev[((n - 1) & 1) * Dp + S.acc_ix(np.arange(D), perm)] = np.rint(want * 2.0 ** 32).astype(np.int64)
+    last = max((st for st in stages if st.f.get("_splitk")), key=lambda st: st.f["_acc"])
+    last.f["MV_ACC"] = 0
+
+    def memcpy(dst, src, nbytes):
+        ctypes.memmove(dst, dev.ctypes.data + src, nbytes)
+        return (0,)
+    hb = SimpleNamespace(stages=stages, splitk_perm=perm, drv=SimpleNamespace(cuMemcpyDtoH=memcpy))
+    pending, in_smem = _splitk_pending(hb, n)
+    (name, (carried, got)), = pending.items()
+    assert carried == carry and np.array_equal(got, want.astype(np.float32)) and in_smem
+
+
 def test_splitk_pairs_receive_buffer_lies_past_the_stage_own_scratch():
     """With pairs the split-K stage reserves the partner's partials (the larger half of D, as
     floats) at the end of the stage scratch, past its x row, norm weights and SwiGLU values, where

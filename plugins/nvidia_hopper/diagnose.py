@@ -47,7 +47,8 @@ def main(name="laneformer-replicate", n=3):
             check(hb.drv.cuMemcpyDtoH(g.ctypes.data, hb.ptr[spec.name], g.nbytes), "read")
             r = ref.t[spec.name].reshape(-1)
             if spec.name in pending:  # x + the last split-K stage's sum, as the next reader sees it
-                g = g + pending[spec.name]
+                carried, acc = pending[spec.name]
+                g = acc if carried else g + acc  # (SPLITK_CARRY: the accumulator holds x already)
             e = float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
             lanes = ""
             if len(spec.shape) == 2 and spec.shape[0] > 1:
@@ -57,18 +58,23 @@ def main(name="laneformer-replicate", n=3):
 
 
 def _splitk_pending(hb, n):
-    """KOG_HOPPER_SPLITK_DOWN builds: ({x: the pending sum the last fused stage left at the last
-    position}, {SwiGLU outputs the fused stages keep in shared memory}); empty otherwise."""
+    """KOG_HOPPER_SPLITK_DOWN builds: ({x: (carried, the accumulator the last fused stage left at the
+    last position, in output order)}, {SwiGLU outputs the fused stages keep in shared memory});
+    empty otherwise. carried (SPLITK_CARRY): the accumulator holds x plus the sum, else the sum."""
+    from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.cuda_util import check
     fused = [st for st in hb.stages if st.f.get("_splitk")]
     if not fused:
         return {}, set()
     last = max(fused, key=lambda st: st.f["_acc"])
+    perm = getattr(hb, "splitk_perm", False)
     D = int(last.f["MV_ACC_D"])
-    raw = np.empty(2 * D, np.int64)
+    Dp = S.acc_len(D, perm)  # (SPLITK_PERM: padded, and in the loaders' order)
+    raw = np.empty(2 * Dp, np.int64)
     check(hb.drv.cuMemcpyDtoH(raw.ctypes.data, int(last.f["MV_ACC"]), raw.nbytes), "read")
+    row = raw[((n - 1) & 1) * Dp:][:Dp][S.acc_ix(np.arange(D), perm)]
     x = last.segs[1]["out_name"]
-    pending = {x: (raw[((n - 1) & 1) * D:][:D] / 2.0 ** 32).astype(np.float32)}
+    pending = {x: (bool(last.f.get("_carry_in")), (row / 2.0 ** 32).astype(np.float32))}
     return pending, {st.segs[0]["out_name"] for st in fused}
 
 
