@@ -1363,6 +1363,10 @@ def test_splitk_perm_layout_makes_the_loaders_reads_contiguous():
         pos = np.sort(S.acc_ix(i[32 * w:32 * w + 32]))
         runs = np.split(pos, np.where(np.diff(pos) != 1)[0] + 1)
         assert len(runs) == 2 and all(len(r) == 16 and r[0] % 16 == 0 for r in runs)
+    # the kernel's index is this one (schedule.acc_ix mirrors it)
+    from pathlib import Path
+    cuh = (Path(S.__file__).parent / "kernels" / "matvec.cuh").read_text()
+    assert "return (i & ~127) | ((i & 2) << 5) | ((i >> 1) & 62) | (i & 1);" in cuh
     consts = dict(_bench2b_shape_consts())
     for extra in (dict(), dict(SPLITK_CARRY=1), dict(SPLITK_PAIRS=1, PAIR_RBUF_OFF=16384)):
         _compile_clean(**DEFAULT, **consts, SPLITK_DOWN=1, SPLITK_PERM=1, **extra)
