@@ -173,7 +173,7 @@ class HopperBackend(KernelBackend):
         if want_pairs and not (self.splitk and self.nb % 2 == 0):
             raise KogError(f"KOG_HOPPER_SPLITK_PAIRS=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
                            f"and an even number of blocks (here {self.nb}): unset KOG_HOPPER_SPLITK_PAIRS")
-        self.pairs = bool(want_pairs and self.splitk and self.nb % 2 == 0)
+        self.pairs = bool(want_pairs)
         # KOG_HOPPER_SPLITK_BULK (session 21): the split-K partials added by one bulk reduction of the
         # copy engine a block (matvec.cuh SPLITK_BULK) instead of red instructions
         want_bulk = _env_int("KOG_HOPPER_SPLITK_BULK", 0, lo=0, hi=1)
