@@ -6,14 +6,33 @@
 // Segment s of a matvec stage: MV_SEG0 + s * SEG_STRIDE + field
 __device__ __forceinline__ const i64* seg(const i64* st, int s) { return st + MV_SEG0 + s * SEG_STRIDE; }
 
-// Stage input for the embedding mode: block 0 also writes the embedding row (the residual stream).
-__device__ void write_embedding(const Ctx& c) {
+// Stage input for the embedding mode: the embedding row, L copies (one a lane), is also the
+// residual stream (MV_EMB_OUT). Every block writes its own slice of those K L floats, as float4s:
+// readers wait on this stage's count of all blocks, transitively. (Block 0 alone, one float a
+// thread a pass, cost a load round trip a pass, serialized: 77 of them for laneformer-2b.)
+struct EmbSlice { int lo, hi; uint2 first; };  // float4s [lo, hi) of the K L; this thread's first, raw
+// Before the stage's wait (the table and the token are known): this thread's first float4 in flight.
+__device__ __forceinline__ EmbSlice emb_prefetch(const Ctx& c) {
     const i64* st = s_desc[c.dcur];
-    if (!((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT] && blockIdx.x == 0)) return;
-    const int K = (int)st[MV_K], L = (int)st[MV_L];
-    const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
-    float* out = (float*)st[MV_EMB_OUT];
-    for (int j = threadIdx.x; j < K * L; j += NT) out[j] = bf2f(tab[j % K]);
+    EmbSlice e{0, 0, make_uint2(0u, 0u)};
+    if (!((st[MV_IN_MODE] & IN_EMBED) && st[MV_EMB_OUT])) return e;
+    const int K4 = (int)(st[MV_K] >> 2), n4 = K4 * (int)st[MV_L], per = (n4 + (int)gridDim.x - 1) / (int)gridDim.x;
+    e.lo = min(n4, per * (int)blockIdx.x); e.hi = min(n4, e.lo + per);
+    const uint2* tab = (const uint2*)((const u16*)st[MV_EMB_TABLE] + (i64)c.tok * 4 * K4);
+    if (e.lo + (int)threadIdx.x < e.hi) e.first = tab[(e.lo + threadIdx.x) % K4];
+    return e;
+}
+// After the input row's loads, so that the prefetch's round trip overlapped theirs: the stores (a
+// slice wider than the block's threads, K L > 4 NT grid, loads the rest here).
+__device__ void write_embedding(const Ctx& c, const EmbSlice& e) {
+    const i64* st = s_desc[c.dcur];
+    const int K4 = (int)(st[MV_K] >> 2);
+    const uint2* tab = (const uint2*)((const u16*)st[MV_EMB_TABLE] + (i64)c.tok * 4 * K4);
+    float4* out = (float4*)st[MV_EMB_OUT];
+    for (int j = e.lo + threadIdx.x; j < e.hi; j += NT) {
+        const uint2 w = j < e.lo + NT ? e.first : tab[j % K4];
+        out[j] = make_float4(bf_lo(w.x), bf_hi(w.x), bf_lo(w.y), bf_hi(w.y));
+    }
 }
 
 // Does this matvec stage run at token iteration `it`? (The producer's walk and the consumers'
@@ -276,13 +295,6 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
         // SPLITK_CARRY: the accumulator holds x + the partials, so x itself is not read
         const bool carried = SPLITK_CARRY && pend && ((int)st[MV_FLAGS] & MVF_CARRY);
         I64x2 pa[PEND_V][2];
-        if (pend) {
-#pragma unroll
-            for (int u = 0; u < PEND_V; ++u) {
-                const int i = u * NT + tid;
-                if (i < K4) { pa[u][0] = ldcg_i64x2(pend + acc_ix(4 * i)); pa[u][1] = ldcg_i64x2(pend + acc_ix(4 * i + 2)); }
-            }
-        }
 #endif
         for (int base = 0; base < K4; base += XV * NT) {
             float4 v[XV];
@@ -290,9 +302,9 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
                 if (i < K4) {
-                    if (mode & IN_EMBED) {
+                    if (mode & IN_EMBED) {  // the raw bf16 bits: converted below, after every load is issued
                         const uint2 e = *(const uint2*)(tab + 4 * i);
-                        v[u] = make_float4(bf_lo(e.x), bf_hi(e.x), bf_lo(e.y), bf_hi(e.y));
+                        v[u] = make_float4(__uint_as_float(e.x), __uint_as_float(e.y), 0.f, 0.f);
                     } else {
 #if SPLITK_DOWN
                         if (carried) v[u] = make_float4(0.f, 0.f, 0.f, 0.f);  // + the accumulator below
@@ -302,12 +314,25 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                     }
                 }
             }
+#if SPLITK_DOWN
+            if (pend && base == 0) {  // PEND_LATE: issued here, inside the batch
+#pragma unroll
+                for (int u = 0; u < PEND_V; ++u) {
+                    const int i = u * NT + tid;
+                    if (i < K4) { pa[u][0] = ldcg_i64x2(pend + acc_ix(4 * i)); pa[u][1] = ldcg_i64x2(pend + acc_ix(4 * i + 2)); }
+                }
+            }
+#endif
             const bool defer = DEFER_NORM && (mode & IN_NORM);
             if (defer && NORM_SMEM && nws && base == 0) cp_wait_all();  // this thread's own norm-weight copies
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
                 if (i < K4) {
+                    if (mode & IN_EMBED) {
+                        const u32 ex = __float_as_uint(v[u].x), ey = __float_as_uint(v[u].y);
+                        v[u] = make_float4(bf_lo(ex), bf_hi(ex), bf_lo(ey), bf_hi(ey));
+                    }
 #if SPLITK_DOWN
                     if (pend && u < PEND_V && base == 0) {  // x + acc: the residual as it stands
                         v[u].x += fix2f(pa[u][0].a); v[u].y += fix2f(pa[u][0].b);
@@ -607,8 +632,12 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
     const int hl = RG > 1 ? ln & 15 : ln;  // the lane within its half-warp (RG = 2) or warp
     constexpr int LSTEP = RG > 1 ? 16 : 32;  // lanes over a row
     float acc0 = 0.f, acc1 = 0.f;
-    float b0 = 0.f, b1 = 0.f, e0 = 0.f, e1 = 0.f;  // the row group's bias and residual (lane hl = 0)
+    // the row group's bias (raw bf16: converted in the epilogue, not where a use would make the
+    // warp wait for the load, session 22) and residual (lane hl = 0)
+    u16 b0 = 0, b1 = 0;
+    float e0 = 0.f, e1 = 0.f;
 #if SPLITK_DOWN
+    i64 p0 = 0, p1 = 0;  // the residual's pending sums, converted only in the epilogue (see below)
     // the residual's pending sum (lane 0 only), once a stage: c.it lives in local memory
     const i64* rpend = DEBUG_SPLITK & 4 ? nullptr : acc_of(st, MV_RES_PEND, c.it);
     const bool rcarried = SPLITK_CARRY && rpend && (flags & MVF_CARRY);  // x + pending is the accumulator alone
@@ -641,13 +670,15 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
         const float* res = (const float*)sg[SEG_RES];
         if ((g.z & IT_FIRST) && !pair && hl == 0 && va) {
             if (bias) {
-                const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bf2f(bb[r0]); if (vb) b1 = bf2f(bb[r1]);
+                const u16* bb = bias + lane * sg[SEG_BIASL]; b0 = bb[r0]; if (vb) b1 = bb[r1];
             }
             if (res) {
 #if SPLITK_DOWN
                 const float* rr = res + lane * sg[SEG_RESL];
                 if (!rcarried) { e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1); }
-                if (rpend) { e0 += fix2f(ldi64(rpend + acc_ix(r0))); if (vb) e1 += fix2f(ldi64(rpend + acc_ix(r1))); }
+                // raw here, added in the epilogue: converted here, they made the warp wait one L2
+                // round trip (and the x loads with them) before its first dot product (session 22)
+                if (rpend) { p0 = ldi64(rpend + acc_ix(r0)); if (vb) p1 = ldi64(rpend + acc_ix(r1)); }
 #else
                 const float* rr = res + lane * sg[SEG_RESL]; e0 = ldf(rr + r0); if (vb) e1 = ldf(rr + r1);
 #endif
@@ -697,9 +728,10 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
             continue;
         }
 #if SPLITK_DOWN
-        mv_emit_pair(out, r0, r1, vb, acc0, acc1, b0, b1, e0, e1, bias, res, flags, best, bidx, cout);
+        if (rpend && res) { e0 += fix2f(p0); if (vb) e1 += fix2f(p1); }  // x + acc, as the loaders add it
+        mv_emit_pair(out, r0, r1, vb, acc0, acc1, bf2f(b0), bf2f(b1), e0, e1, bias, res, flags, best, bidx, cout);
 #else
-        mv_emit_pair(out, r0, r1, vb, acc0, acc1, b0, b1, e0, e1, bias, res, flags, best, bidx);
+        mv_emit_pair(out, r0, r1, vb, acc0, acc1, bf2f(b0), bf2f(b1), e0, e1, bias, res, flags, best, bidx);
 #endif
     }
 #ifdef TRACE
@@ -835,9 +867,9 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         if (NORM_SMEM && nws) cp_commit();
     }
 
+    const EmbSlice emb = emb_prefetch(c);  // (embedding stages only: an empty slice elsewhere)
     wait_counter(wctr, wtarget);
     TMARK(c, 1);
-    write_embedding(c);
     const int nload = (c.skipmask >> 7) & 1 ? 0 : nl;  // benchmark bit 7: no input loads (garbage x)
 #if LANES_LOAD
     // several lanes' rows in one batch (plain or deferred-norm input that fits XV float4s a thread)
@@ -854,6 +886,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
             mv_load_x(c, lane0 + l, l, xs + l * K, pre_norm && l == 0 ? wpre : nullptr, l == 0 ? nws : nullptr);
         }
     }
+    if (emb.lo < emb.hi) write_embedding(c, emb);
     csync();
     TMARK(c, 2);
 
