@@ -315,7 +315,9 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                 }
             }
 #if SPLITK_DOWN
-            if (pend && base == 0) {  // PEND_LATE: issued here, inside the batch
+            // after the x row's loads: issued before them, their conversions (hoisted by the compiler)
+            // made the warp wait one round trip before the x loads left (session 22)
+            if (pend && base == 0) {
 #pragma unroll
                 for (int u = 0; u < PEND_V; ++u) {
                     const int i = u * NT + tid;
