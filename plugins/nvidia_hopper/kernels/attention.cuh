@@ -274,14 +274,21 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         // the cache rows first, KV_BUFS sub-chunks in flight (the first tile's were issued before the wait)
         if (t != (int)blockIdx.x) att_issue_first(c, t);
         // queries of this kv head's group, new key / value
+        // One loop, every load before the first store: with the new key / value in a loop of their
+        // own, the tile holding pos (a full chunk, often the last to finish) waited a second round
+        // trip behind q's stores (session 23). hd <= G hd, so the q loop covers them.
         const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * GH;
+        const float* ks = (const float*)st[AT_KNEW] + (i64)l * Hkv * hd + (i64)g * hd;
+        const float* vs = (const float*)st[AT_VNEW] + (i64)l * Hkv * hd + (i64)g * hd;
         ATT_LOOP
-        for (int i = tid; i < GH; i += NT) { q[i] = ldf(qsrc + i); ob[i] = 0.f; }
-        if (own) {
-            const float* ks = (const float*)st[AT_KNEW] + (i64)l * Hkv * hd + (i64)g * hd;
-            const float* vs = (const float*)st[AT_VNEW] + (i64)l * Hkv * hd + (i64)g * hd;
-            ATT_LOOP
-            for (int i = tid; i < hd; i += NT) { kn[i] = ldf(ks + i); vn[i] = rbf(ldf(vs + i)); }
+        for (int i = tid; i < GH; i += NT) {
+            const bool kv = own && i < hd;
+            const float qi = ldf(qsrc + i);
+            float ki = 0.f, vi = 0.f;
+            if (kv) { ki = ldf(ks + i); vi = ldf(vs + i); }
+            q[i] = qi;
+            ob[i] = 0.f;
+            if (kv) { kn[i] = ki; vn[i] = rbf(vi); }
         }
         if (tid < 8) { s_m[tid] = -__int_as_float(0x7f800000); s_l[tid] = 0.f; }
         cp_wait_rope();  // this thread's RoPE copies (att_issue_first) have landed; the barrier shows all
