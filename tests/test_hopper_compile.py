@@ -528,6 +528,19 @@ def test_compact_attention_experiment_compiles_smaller():
     assert _code_bytes(cubin) < _code_bytes(default)
 
 
+def test_ticket_and_stop_check_experiments_compile_clean_and_differ():
+    """ATT_TICKET_ACQREL=1 and SAMPLE_TAIL=1 (experiments, off; session 23, level on an H100):
+    bench-2b's build with each has no spills and is not the default's machine code (their GPU
+    tests: the default's, with KOG_HOPPER_DEFINES set)."""
+    from kog_nvidia_hopper import schedule as S
+    b2 = dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
+              RING_OFF=32768, PREFETCH=0, SPLITK_DOWN=1)
+    base, _, _ = _compile_clean(**b2)
+    for extra in (dict(ATT_TICKET_ACQREL=1), dict(SAMPLE_TAIL=1)):
+        cubin, _, _ = _compile_clean(**b2, **extra)
+        assert cubin != base, extra
+
+
 @pytest.mark.parametrize("extra", [dict(X_CPASYNC=1), dict(X_CPASYNC=1, COMPACT_ATTENTION=1)])
 def test_input_rows_by_cp_async_experiment_compiles(extra):
     """KOG_HOPPER_X_CPASYNC=1 (an experiment, off; 13% slower, session 9): a stage's input row by
@@ -846,6 +859,34 @@ def test_sass_report_counts_local_and_generic_accesses_by_source_line(monkeypatc
     with pytest.raises(KogError) as e:
         nvdisasm()
     assert "nvidia-cuda-nvdisasm" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sass_report_load_use_finds_loads_read_too_soon():
+    """--load-use (sessions 22-23): a global load whose value is read within the window is listed
+    with its source line (five-digit addresses too: the kernel is over 64 KB of code); registers
+    overwritten first, shared-memory loads and reads past the window are not."""
+    from kog_nvidia_hopper.sass_report import load_use
+    sass = """
+	//## File "/x/decode.cu", line 40
+        /*fff0*/                   LDG.E.STRONG.GPU R12, desc[UR12][R12.64] ;
+        /*10000*/                  IMAD R71, R69, 0x4, R20 ;
+        /*10010*/                  STS [R71], R12 ;
+	//## File "/x/decode.cu", line 41
+        /*10020*/              @P0 LD.E.64 R20, desc[UR4][R22.64] ;
+        /*10030*/                  MOV R20, RZ ;
+        /*10040*/                  FADD R5, R20, R21 ;
+        /*10050*/                  LDS.64 R30, [R99+0x48] ;
+        /*10060*/                  FADD R6, R30, R31 ;
+        /*10070*/                  LDG.E.128 R40, desc[UR4][R8.64] ;
+        /*10080*/                  ST.E desc[UR4][R8.64], R7 ;
+        /*10090*/                  NOP ;
+        /*100a0*/                  NOP ;
+        /*100b0*/                  FADD R9, R43, R9 ;
+"""
+    hits = load_use(sass, window=4)
+    assert [(a, line, d) for a, line, d, _, _ in hits] == [("fff0", 40, 2), ("10020", 41, 2)]
+    assert hits[1][4].startswith("FADD R5, R20")  # R21 (the 64-bit load's high half) is read there
+    assert [a for a, *_ in load_use(sass, window=8)] == ["fff0", "10020", "10070"]
 
 
 def test_norm_smem_reserves_the_norm_weights_and_the_wpre_build_compiles(monkeypatch):

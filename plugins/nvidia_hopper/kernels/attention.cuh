@@ -20,6 +20,12 @@
 #ifndef ATT_COMBINE_BATCH
 #define ATT_COMBINE_BATCH 1
 #endif
+// ATT_TICKET_ACQREL (session 23, an experiment; KOG_HOPPER_DEFINES=ATT_TICKET_ACQREL=1): a tile takes
+// its ticket with one acq_rel atomic instead of __threadfence() (MEMBAR.SC.GPU) and an acquire one.
+// The trace (session 23) puts the ticket at ~0.85 us of a tile's end, on the combine's path.
+#ifndef ATT_TICKET_ACQREL
+#define ATT_TICKET_ACQREL 0
+#endif
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that
 // the tiles roughly fill the grid; partial (m, l, o) go to a scratch buffer and the last tile
 // of a (lane, kv head) to finish (atomic ticket) combines them.
@@ -451,9 +457,15 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             csync();
             u32* ticket = (u32*)st[AT_TICKET] + l * Hkv + g;
             if (tid == 0) {
-                __threadfence();  // this tile's partials before its ticket
                 u32 k;  // an acquire: the last tile's reads of the other tiles' partials come after it
+#if ATT_TICKET_ACQREL
+                // a release as well, after the barrier (as the stage's own release): the block's
+                // partials before its ticket, without a sequentially consistent fence (MEMBAR.SC)
+                asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(k) : "l"(ticket) : "memory");
+#else
+                __threadfence();  // this tile's partials before its ticket
                 asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 1;" : "=r"(k) : "l"(ticket) : "memory");
+#endif
                 s_last = (k == (u32)nch - 1);
                 // the reset needs no fence of its own: the next use of the ticket (this layer, next
                 // token) comes after this block's release of the stage, whose fence orders it

@@ -193,6 +193,13 @@ __device__ __noinline__ u64 radix_select(const float* z, const float* p, int V, 
 __device__ __noinline__ u64 sample_grid(Ctx& c, float temp, int n);  // sample_grid.cuh
 #endif
 
+// SAMPLE_TAIL (session 23, an experiment; KOG_HOPPER_DEFINES=SAMPLE_TAIL=1): the stop check's inputs
+// loaded before the sampling, and the host's token and count written after the next token's inputs
+// with one release store instead of two __threadfence_system() (MEMBAR.SC.SYS). The trace puts
+// block 0's stop check at ~4.4 us a token after the other blocks' end of the sample stage.
+#ifndef SAMPLE_TAIL
+#define SAMPLE_TAIL 0
+#endif
 __device__ __noinline__ void run_sample(Ctx& c) {
     const i64* st = s_desc[c.dcur];
     i64* run = c.run;
@@ -217,6 +224,15 @@ __device__ __noinline__ void run_sample(Ctx& c) {
     const float* logits = (const float*)st[SM_LOGITS];
     u32 cancel = 0;
     if (tid == 0 && run[R_CANCEL]) cancel = ld_sys((const volatile u32*)run[R_CANCEL]);
+#if SAMPLE_TAIL
+    // the stop check's inputs, loaded by warp 0 now so that their round trips overlap the sampling
+    // (read after it, they were two round trips in a row on every token's critical path)
+    int stop_hit = 0;  // warp 0: one stop id a lane, up to 32 ids; more are checked below
+    const int nstop = tid < 32 ? (int)run[R_NSTOP] : 0;
+    const int* stops = (const int*)run[R_STOPIDS];
+    const int stop_id = tid < nstop && tid < 32 ? stops[tid] : -1;
+    const int maxnew = (int)run[R_MAXNEW], ctx = (int)run[R_CTX];
+#endif
     if (temp <= 0.f) {
         if (st[SM_ARGMAX]) {  // the LM head's (max, index) partials, one per block: one load each, then a tree
             const int nt = (int)st[SM_NPART];
@@ -284,6 +300,29 @@ __device__ __noinline__ void run_sample(Ctx& c) {
         if (tid == 0) s_tok = (int)(0xffffffffu - (u32)(ce & 0xffffffffu));
         csync();
     }
+#if SAMPLE_TAIL
+    if (tid < 32) {
+        const int tok = s_tok;
+        int hit = stop_id == tok;
+        for (int j = 32 + tid; j < nstop; j += 32) hit |= stops[j] == tok;
+        stop_hit = __any_sync(0xffffffffu, hit);
+    }
+    if (tid == 0) {
+        const int tok = s_tok;
+        int stop = stop_hit;
+        if (n + 1 >= maxnew) stop = 1;
+        if (c.pos + 1 >= ctx) stop = 1;
+        if (cancel) stop = 2;
+        run[R_TOK] = tok;  // what the next token needs, before the host's writes
+        run[R_STOP] = stop;
+        if (stop != 2) {
+            ((volatile int*)run[R_HOST_OUT])[n] = tok;
+            // a release: the token before its count (one fence, not a sequentially consistent one
+            // before and after: the host polls the count and needs only that order)
+            asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(run[R_HOST_COUNT]), "r"((u32)(n + 1)) : "memory");
+        }
+    }
+#else
     if (tid == 0) {
         int tok = s_tok;
         int stop = 0;
@@ -303,5 +342,6 @@ __device__ __noinline__ void run_sample(Ctx& c) {
         run[R_TOK] = tok;
         run[R_STOP] = stop;
     }
+#endif
     csync();
 }
