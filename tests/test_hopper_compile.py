@@ -529,14 +529,16 @@ def test_compact_attention_experiment_compiles_smaller():
 
 
 def test_ticket_and_stop_check_experiments_compile_clean_and_differ():
-    """ATT_TICKET_ACQREL=1 and SAMPLE_TAIL=1 (experiments, off; session 23, level on an H100):
+    """ATT_TICKET_ACQREL=1 and SAMPLE_TAIL=1 (experiments, off; session 23, level on an H100), and
+    ATT_TAGS=1 (the chunks' partials polled by their tag, no ticket; with and without its batched
+    pass; not yet run on a GPU):
     bench-2b's build with each has no spills and is not the default's machine code (their GPU
     tests: the default's, with KOG_HOPPER_DEFINES set)."""
     from kog_nvidia_hopper import schedule as S
     b2 = dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
               RING_OFF=32768, PREFETCH=0, SPLITK_DOWN=1)
     base, _, _ = _compile_clean(**b2)
-    for extra in (dict(ATT_TICKET_ACQREL=1), dict(SAMPLE_TAIL=1)):
+    for extra in (dict(ATT_TICKET_ACQREL=1), dict(SAMPLE_TAIL=1), dict(ATT_TAGS=1), dict(ATT_TAGS=1, ATT_TAG_BATCH=0)):
         cubin, _, _ = _compile_clean(**b2, **extra)
         assert cubin != base, extra
 

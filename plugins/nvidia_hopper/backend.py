@@ -71,6 +71,7 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
 class HopperBackend(KernelBackend):
     name = "nvidia_hopper"
     tagged: dict = {}  # TAG_DOWN's tensors and their sizes (load sets them)
+    tagged_parts: tuple = ()  # ATT_TAGS's partial buffers (load sets them)
 
     def __init__(self, device: int = 0, **options):
         super().__init__(**options)
@@ -251,6 +252,14 @@ class HopperBackend(KernelBackend):
             raise KogError(f"KOG_HOPPER_ATTN_COMBINE={combine!r}: use 'loader' or 'ticket' (or leave it unset)")
         if combine == "loader":
             S.fuse_attention_combine(program, stages)
+        # KOG_HOPPER_ATT_TAGS (session 23, an experiment, off; not yet run on a GPU): the chunks'
+        # partials as 64-bit {value, token tag} words polled by the tile holding pos, instead of a
+        # ticket (attention.cuh ATT_TAGS); the words are zeroed before every launch
+        self.att_tags = bool(_env_int("KOG_HOPPER_ATT_TAGS", 0, lo=0, hi=1))
+        if self.att_tags and combine == "loader":
+            raise KogError("KOG_HOPPER_ATT_TAGS=1 needs the attention's last tile to combine: unset "
+                           "KOG_HOPPER_ATTN_COMBINE or KOG_HOPPER_ATT_TAGS")
+        self.tagged_parts = []  # (pointer, 32-bit words) of ATT_TAGS's partials
         self.d_desc = self._alloc(len(stages) * S.NSLOT * 8)  # rows point at each other (MV_ATTN)
         for st in stages:
             if st.type == "matvec":
@@ -309,8 +318,11 @@ class HopperBackend(KernelBackend):
                     st.f["MV_ATTN"] = self.d_desc + st.f["_attn_stage"] * S.NSLOT * 8
             if st.type == "attn":
                 sc = st.f.pop("_scratch")
-                st.f["AT_PART_O"] = self._alloc(sc["part_o"] * 4)
-                st.f["AT_PART_ML"] = self._alloc(sc["part_ml"] * 4)
+                word = 8 if self.att_tags else 4  # ATT_TAGS: {value, tag}
+                st.f["AT_PART_O"] = self._alloc(sc["part_o"] * word)
+                st.f["AT_PART_ML"] = self._alloc(sc["part_ml"] * word)
+                if self.att_tags:
+                    self.tagged_parts += [(st.f["AT_PART_O"], sc["part_o"] * 2), (st.f["AT_PART_ML"], sc["part_ml"] * 2)]
                 t = self._alloc(sc["ticket"] * 4)
                 check(drv.cuMemsetD32(t, 0, sc["ticket"]), "cuMemsetD32")
                 st.f["AT_TICKET"] = t
@@ -373,6 +385,8 @@ class HopperBackend(KernelBackend):
             variant["SPLITK_CARRY"] = 1
         if self.splitk_perm:  # KOG_HOPPER_SPLITK_PERM
             variant["SPLITK_PERM"] = 1
+        if self.att_tags:  # KOG_HOPPER_ATT_TAGS
+            variant["ATT_TAGS"] = 1
         if self.pairs:  # the partner's partials land at the end of the stage scratch
             rbuf = max(S.pair_rbuf_bytes(st) for st in stages if st.f.get("_splitk"))
             variant.update(SPLITK_PAIRS=1, PAIR_RBUF_OFF=(scratch - rbuf) // 16 * 16)
@@ -570,6 +584,8 @@ class HopperBackend(KernelBackend):
             check(drv.cuMemsetD32(self.d_acc, 0, self.acc_bytes // 4), "cuMemsetD32(split-K accumulators)")
         for name, numel in self.tagged.items():  # TAG_DOWN: every value's parity bit says "not yet written" to write 0
             check(drv.cuMemsetD32(self.ptr[name], 1, numel), "cuMemsetD32(tagged)")
+        for ptr, words in self.tagged_parts:  # ATT_TAGS: tag 0 is no token's (a token's is its iteration + 1)
+            check(drv.cuMemsetD32(ptr, 0, words), "cuMemsetD32(attention partials)")
         self.cnt_view[0] = 0
         self.cancel_view[0] = 0
         args = ((self.d_desc, self.nst, self.d_counters, self.d_run),

@@ -476,3 +476,54 @@ def test_both_ways_of_a_setting_match_reference(knob, setting, value, name, monk
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=5, max_tokens=64)
     finally:
         hb.close()
+
+
+@pytest.mark.parametrize("tag_batch", ["4", "0"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "laneformer-lane"])
+def test_att_tags_match_reference_and_the_ticket_bit_for_bit(name, tag_batch, monkeypatch):
+    """KOG_HOPPER_ATT_TAGS=1 (session 23, an experiment): the attention's chunk partials as
+    {value, token tag} words polled by the tile holding pos, no ticket. Logits and greedy tokens
+    match the reference; the logits at every position equal the ticket build's exactly (the same
+    sums in the same order), on a second request too (the tags are reset between launches, or the
+    second would read the first one's words). ATT_TAG_BATCH=0: every partial output polled in the
+    combine's loop (the path of a group too wide for the scratch). 120 positions: up to 4 chunks of
+    32 (mistral: its window of 48, chunks not from 0)."""
+    from kog_nvidia_hopper.backend import HopperBackend
+    from kog_nvidia_hopper.plugin import CAPABILITIES
+    monkeypatch.setenv("KOG_HOPPER_ATT_TAGS", "1")
+    monkeypatch.setenv("KOG_HOPPER_DEFINES", f"ATT_TAG_BATCH={tag_batch}")
+    arch, prog, w = _small_or_laneformer(name)
+    ref, hb = _backends(prog, w)
+    toks = np.random.default_rng(9).integers(0, prog.vocab_size, 120).tolist()
+    try:
+        assert hb.variant.get("ATT_TAGS") == 1 and hb.variant.get("ATT_TAG_BATCH") == int(tag_batch)
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=7, max_tokens=64)
+        tagged = hb.logits(toks)
+        again = hb.logits(toks)
+    finally:
+        hb.close()
+    monkeypatch.delenv("KOG_HOPPER_ATT_TAGS")
+    monkeypatch.delenv("KOG_HOPPER_DEFINES")
+    hb = HopperBackend()
+    hb.capabilities = CAPABILITIES
+    hb.load(prog, w)
+    try:
+        assert "ATT_TAGS" not in hb.variant
+        ticket = hb.logits(toks)
+    finally:
+        hb.close()
+    assert np.array_equal(tagged, again), "a second request differs: the tags were not reset"
+    assert np.array_equal(tagged, ticket), \
+        f"{int((tagged != ticket).sum())} logits differ, max {float(np.abs(tagged - ticket).max()):.3g}"
+
+
+def test_att_tags_refuse_the_loader_combine_in_one_line(monkeypatch):
+    """ATT_TAGS needs the attention's last tile to combine; with KOG_HOPPER_ATTN_COMBINE=loader the
+    backend says so in one line instead of building a kernel that would read tagged words as floats."""
+    from kog_core.errors import KogError
+    monkeypatch.setenv("KOG_HOPPER_ATT_TAGS", "1")
+    monkeypatch.setenv("KOG_HOPPER_ATTN_COMBINE", "loader")
+    arch, prog, w = _small_or_laneformer("llama")
+    with pytest.raises(KogError) as e:
+        _backends(prog, w)
+    assert "KOG_HOPPER_ATT_TAGS" in str(e.value) and "\n" not in str(e.value)

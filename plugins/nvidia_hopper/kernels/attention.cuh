@@ -26,6 +26,38 @@
 #ifndef ATT_TICKET_ACQREL
 #define ATT_TICKET_ACQREL 0
 #endif
+// ATT_TAGS (session 23, an experiment, off; KOG_HOPPER_ATT_TAGS=1; not yet run on a GPU): readiness
+// in the data instead of a ticket. Each partial (m, l, every o) is stored as one 64-bit word {value,
+// this token's tag} (a 64-bit access is single-copy atomic: the NCCL LL protocol's form), and the
+// tile of the chunk holding pos combines: it polls the other chunks' words until each carries the
+// tag. No fence, no ticket and no second round trip on the combine's path (the trace, session 23:
+// the ticket ~0.85 us, then the partials' round trip). The backend zeroes the words before each
+// launch (tag = token iteration + 1, never 0). Only with the last tile combining (not the loader).
+#ifndef ATT_TAGS
+#define ATT_TAGS 0
+#endif
+#ifndef ATT_TAG_BATCH
+#define ATT_TAG_BATCH 4  // 16-byte loads (two tagged words) a thread has in flight per pass; 0: none
+#endif               // (every o polled in the combine's loop, the path of groups too wide for the scratch)
+__device__ __forceinline__ void st_tagged(u64* p, float v, u32 tag) {
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" :: "l"(p), "l"(((u64)tag << 32) | __float_as_uint(v)) : "memory");
+}
+__device__ __forceinline__ u64 ld_tagged(const u64* p) {
+    u64 r;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(r) : "l"(p) : "memory");
+    return r;
+}
+// two words in one 16-byte access: a vector access is, in the memory model, one access per element,
+// so each 64-bit word keeps its own atomicity (p 16-byte aligned)
+__device__ __forceinline__ void ld_tagged2(const u64* p, u64& a, u64& b) {
+    asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+__device__ __forceinline__ float ld_tagged_wait(const u64* p, u32 tag) {  // one word, polled until it is this token's
+    u64 v = ld_tagged(p);
+    while ((u32)(v >> 32) != tag) v = ld_tagged(p);
+    return __uint_as_float((u32)v);
+}
+
 // Tile = (lane, kv head, chunk of positions). The chunk count adapts to the length so that
 // the tiles roughly fill the grid; partial (m, l, o) go to a scratch buffer and the last tile
 // of a (lane, kv head) to finish (atomic ticket) combines them.
@@ -224,6 +256,75 @@ __device__ __forceinline__ void att_row(const u16* Kr, const u16* Vr, int ln, co
 // query head; partial (m, l, o) go to a scratch buffer and the last tile of a (lane, kv head) to
 // finish (atomic ticket) combines them. The chunk holding `pos` also applies RoPE to the new key
 // and writes the new K/V (bf16) into the cache.
+#if ATT_TAGS
+// ATT_TAGS's layout, chunk-major within a (lane, kv head) so that the combining tile's words are
+// one contiguous run: o [lane][kv head][chunk][G hd] and (m, l) [lane][kv head][chunk][G][2].
+__device__ __forceinline__ u64* att_tag_o(const i64* st, int l, int g, int ch) {
+    const int Hkv = AT_I(st, HKV), MAXCH = AT_I(st, MAXCH), GH = AT_I(st, H) / Hkv * AT_I(st, HD);
+    return (u64*)st[AT_PART_O] + ((i64)(l * Hkv + g) * MAXCH + ch) * GH;
+}
+__device__ __forceinline__ u64* att_tag_ml(const i64* st, int l, int g, int ch) {
+    const int Hkv = AT_I(st, HKV), MAXCH = AT_I(st, MAXCH), G = AT_I(st, H) / Hkv;
+    return (u64*)st[AT_PART_ML] + ((i64)(l * Hkv + g) * MAXCH + ch) * G * 2;
+}
+// The combining tile (the chunk holding pos) under ATT_TAGS: the other chunks' (m, l) and, where
+// they fit beside them in the free scratch, their partial outputs are polled into shared memory,
+// ATT_TAG_BATCH words a thread in flight at once; its own chunk's come from ob, s_m, s_l. Then the
+// same sums in the same order as the ticket's combine (the same logits bit for bit).
+__device__ __forceinline__ void att_combine_tagged(const Ctx& c, int l, int g, int nch, const float* ob,
+                                                   const float* s_m, const float* s_l) {
+    const i64* st = s_desc[c.dcur];
+    const int H = AT_I(st, H), Hkv = AT_I(st, HKV), hd = AT_I(st, HD), MAXCH = AT_I(st, MAXCH);
+    const int G = H / Hkv, GH = G * hd, tid = threadIdx.x, n1 = nch - 1;
+    const u32 tag = (u32)c.it + 1u;
+    const u64* po = att_tag_o(st, l, g, 0);
+    const u64* pml = att_tag_ml(st, l, g, 0);
+    float* mls = smem_f() + att_red_off(c);           // [chunk][G][2]
+    float* osm = mls + ((2 * G * MAXCH + 3) & ~3);    // [chunk < nch - 1][G hd]
+    constexpr int TB = ATT_TAG_BATCH > 0 ? ATT_TAG_BATCH : 1;
+    const bool batch = ATT_TAG_BATCH > 0 && ((2 * G * MAXCH + 3) & ~3) + n1 * GH <= NT * 8 + KV_BUFS * ATT_SUB * (hd + 8);
+    const int nml = n1 * G * 2, total = nml + (batch ? n1 * GH : 0);
+    // word pairs (nml and n1 G hd are even, and both runs start on 16 bytes)
+    for (int i0 = tid; i0 < total / 2; i0 += NT * TB) {
+        u64 v[TB][2];
+#pragma unroll
+        for (int b = 0; b < TB; ++b) {  // every load of the pass issued before any is checked
+            const int i = 2 * (i0 + b * NT);
+            if (i < total) ld_tagged2(i < nml ? pml + i : po + (i - nml), v[b][0], v[b][1]);
+        }
+#pragma unroll
+        for (int b = 0; b < TB; ++b) {
+            const int i = 2 * (i0 + b * NT);
+            if (i < total) {
+                while ((u32)(v[b][0] >> 32) != tag || (u32)(v[b][1] >> 32) != tag)  // not yet written: poll
+                    ld_tagged2(i < nml ? pml + i : po + (i - nml), v[b][0], v[b][1]);
+                float* dst = i < nml ? mls + i : osm + (i - nml);
+                dst[0] = __uint_as_float((u32)v[b][0]);
+                dst[1] = __uint_as_float((u32)v[b][1]);
+            }
+        }
+    }
+    if (tid < G) { mls[(n1 * G + tid) * 2] = s_m[tid]; mls[(n1 * G + tid) * 2 + 1] = s_l[tid]; }
+    csync();
+    ATT_LOOP
+    for (int i = tid; i < GH; i += NT) {
+        const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
+        float M = -__int_as_float(0x7f800000);
+        ATT_LOOP
+        for (int k = 0; k < nch; ++k) M = fmaxf(M, mls[(k * G + gi) * 2]);
+        float num = 0.f, den = 0.f;
+        ATT_LOOP
+        for (int k = 0; k < nch; ++k) {
+            const float w = expf(mls[(k * G + gi) * 2] - M);
+            const float o = k == n1 ? ob[i] : batch ? osm[k * GH + i] : ld_tagged_wait(po + (i64)k * GH + i, tag);
+            num = fmaf(w, o, num);
+            den = fmaf(w, mls[(k * G + gi) * 2 + 1], den);
+        }
+        ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = num / den;
+    }
+}
+#endif
+
 // INLINE_ATTENTION (the backend's default since v15): inlined, the attention's callee saves go
 // (kernel spills 196 -> 36 B; bench-2b +1.9%)
 #if INLINE_ATTENTION
@@ -444,6 +545,17 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
             if (nch == 1 && combine) {
                 ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = ob[i] / s_l[gi];
+            } else if (ATT_TAGS && combine) {
+#if ATT_TAGS
+                if (ch != nch - 1) {  // the combining tile keeps its own in shared memory
+                    const u32 tag = (u32)c.it + 1u;
+                    st_tagged(att_tag_o(st, l, g, ch) + i, ob[i], tag);
+                    if (d == 0) {
+                        st_tagged(att_tag_ml(st, l, g, ch) + gi * 2, s_m[gi], tag);
+                        st_tagged(att_tag_ml(st, l, g, ch) + gi * 2 + 1, s_l[gi], tag);
+                    }
+                }
+#endif
             } else {
                 partO[(((i64)l * H + h) * MAXCH + ch) * hd + d] = ob[i];
                 if (d == 0) {
@@ -453,6 +565,12 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             }
         }
         TMARK_TILE(c, tk, 13, 24);
+#if ATT_TAGS
+        if (nch > 1 && combine && ch == nch - 1) {
+            csync();  // ob, s_m and s_l final; red free
+            att_combine_tagged(c, l, g, nch, ob, s_m, s_l);
+        }
+#else
         if (nch > 1 && combine) {
             csync();
             u32* ticket = (u32*)st[AT_TICKET] + l * Hkv + g;
@@ -518,6 +636,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                 }
             }
         }
+#endif
         csync();
     }
 }
