@@ -9,5 +9,5 @@ fi
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 # setuptools/wheel first: the tests build the out-of-tree example plugin without build isolation.
-python -m pip install --quiet "setuptools>=68" wheel
+python -m pip install --quiet "setuptools>=77" wheel
 python -m pip install --quiet -e ".[test,serve,nvidia]"
