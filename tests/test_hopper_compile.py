@@ -891,6 +891,45 @@ def test_sass_report_load_use_finds_loads_read_too_soon():
     assert [a for a, *_ in load_use(sass, window=8)] == ["fff0", "10020", "10070"]
 
 
+def test_sass_report_same_loop_compares_the_item_loops_up_to_addresses():
+    """--same-loop (session 25): the matvec item loops' instructions, found by their source lines,
+    compared as runs with addresses masked; a moved block is the same code, a changed or reordered
+    instruction is not. The loops' lines are found in the real matvec.cuh."""
+    from pathlib import Path
+    import kog_nvidia_hopper
+    from kog_nvidia_hopper.sass_report import function_lines, loop_runs
+    cuda = """// a comment
+__device__ __forceinline__ void mv_items(int* q) {
+    int a = q[0];  // load
+#if X
+    a += 1;
+#endif
+    q[1] = a;
+}
+__device__ void other() { int b = 2; }
+__device__ __forceinline__ void mv_down_items(int* q) {
+    q[2] = 3;
+}
+"""
+    code = function_lines(cuda)
+    assert code == {"__device__ __forceinline__ void mv_items(int* q) {", "int a = q[0];  // load",
+                    "a += 1;", "q[1] = a;", "__device__ __forceinline__ void mv_down_items(int* q) {",
+                    "q[2] = 3;"}
+    src = "int a = q[0];  // load\nq[1] = a;\nint b = 2;\n"
+    def sass(order, addr, extra=""):
+        body = {1: f"        /*{addr:04x}*/   LDG.E R2, desc[UR4][R4.64] ;\n"
+                   f"        /*{addr + 16:04x}*/   BRA 0x{addr + 64:x} ;\n",
+                3: "        /*0400*/   MOV R9, 0x2 ;\n" + extra}
+        return "".join(f'\t//## File "/x/decode.cu", line {n}\n' + body[n] for n in order)
+    base = loop_runs(src, sass([1, 3], 0x100), code)
+    assert base == [("LDG.E R2, desc[UR4][R4.64]", "BRA X")]
+    assert loop_runs(src, sass([3, 1], 0x800), code) == base  # placed elsewhere: the same
+    moved = sass([1, 3], 0x100).replace("LDG.E R2", "LDG.E R3")
+    assert loop_runs(src, moved, code) != base  # another register: not the same schedule
+    real = function_lines((Path(kog_nvidia_hopper.__file__).parent / "kernels" / "matvec.cuh").read_text())
+    assert any("mv_items(" in t for t in real) and any("mv_down_items(" in t for t in real) and len(real) > 100
+
+
 def test_norm_smem_reserves_the_norm_weights_and_the_wpre_build_compiles(monkeypatch):
     """NORM_SMEM (the default since v17; perf notes session 8): the preloaded norm weights go to
     shared memory after the x rows, so a normed stage's scratch grows by K * 2 bytes.

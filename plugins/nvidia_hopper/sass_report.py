@@ -15,7 +15,15 @@ instructions (straight-line order, so a rough scan): the warp stalls a whole L2 
 (~1 us while the ring streams) unless other loads are in flight. Session 22's three stalls (v29)
 and session 23's (v30) were found this way; spin-wait polls show up too and are expected.
 
+With --same-loop it says instead whether the matvec item loops (`mv_items`, `mv_down_items`: the
+consumers' hot code) compile to the same instructions as the default build's, up to addresses.
+Any change elsewhere in the kernel can re-schedule them (ptxas allocates the whole call graph
+together): ATT_TAGS did (166 registers; -0.3 / -0.7% on an H100), ATT_TICKET_ACQREL did not
+(level). Check it before an A/B of a change outside the matvec: if the loops moved, the A/B
+measures that too (perf notes, session 25).
+
     python3 -m kog_nvidia_hopper.sass_report [--set KEY=VALUE ...] [--top N] [--load-use N]
+                                             [--same-loop KEY=VALUE ...]
 
 nvdisasm is not a dependency: it comes from the `nvidia-cuda-nvdisasm` wheel (`pip download
 --no-deps nvidia-cuda-nvdisasm`, unzip, `nvidia/cu13/bin/nvdisasm`); found through $KOG_NVDISASM
@@ -101,6 +109,69 @@ def load_use(sass: str, window: int = 12) -> list[tuple[str, int, int, str, str]
     return out
 
 
+ITEM_LOOPS = ("mv_items", "mv_down_items")  # matvec.cuh's consumer loops over the ring's items
+
+
+def function_lines(cuda: str, names=ITEM_LOOPS) -> set[str]:
+    """The stripped code lines (no comments, preprocessor lines or lone braces) of the bodies of the
+    functions `names` defined in `cuda` (found by name, the body by brace matching)."""
+    text = cuda.splitlines()
+    out: set[str] = set()
+    for name in names:
+        start = next((i for i, t in enumerate(text)
+                      if re.search(rf"\b{name}\(", t) and "__device__" in (t + (text[i - 1] if i else ""))), None)
+        if start is None:
+            raise KogError(f"sass_report: function {name} not found in matvec.cuh")
+        depth, seen = 0, False
+        for t in text[start:]:
+            code = t.split("//")[0]
+            depth += code.count("{") - code.count("}")
+            seen = seen or "{" in code
+            st = t.strip()
+            if st and not st.startswith(("//", "#")) and st.strip("{} ;") != "":
+                out.add(st)
+            if seen and depth <= 0:
+                break
+    return out
+
+
+def loop_runs(src: str, sass: str, code_lines: set[str]) -> list[tuple[str, ...]]:
+    """Sorted runs of consecutive instructions whose source line's text is in `code_lines`, branch
+    targets and other addresses masked: equal lists mean the same code, wherever it was placed."""
+    lines = src.splitlines()
+    runs, run, cur = [], [], 0
+    for text in sass.splitlines():
+        m = _LINE.search(text)
+        if m:
+            cur = int(m.group(1))
+            continue
+        m = _INSN.search(text)
+        if not m:
+            continue
+        if 0 < cur <= len(lines) and lines[cur - 1].strip() in code_lines:
+            run.append(re.sub(r"0x[0-9a-f]+|`\(\S+\)", "X", m.group(2)))
+        elif run:
+            runs.append(tuple(run))
+            run = []
+    if run:
+        runs.append(tuple(run))
+    return sorted(runs)
+
+
+def report_same_loop(base: dict, variant: dict) -> list[str]:
+    from pathlib import Path
+    from kog_nvidia_hopper.cuda_util import ptxas_report
+    code = function_lines((Path(__file__).parent / "kernels" / "matvec.cuh").read_text())
+    src0, log0, sass0 = _disassemble(base)
+    src1, log1, sass1 = _disassemble(variant)
+    a, b = loop_runs(src0, sass0, code), loop_runs(src1, sass1, code)
+    regs = lambda lg: ptxas_report(lg)["registers"]
+    verdict = "the same code" if a == b else "DIFFERENT code: an A/B of this build also measures the re-scheduled loops"
+    return [f"base:    {regs(log0)} registers, item loops {sum(map(len, a))} instructions in {len(a)} runs",
+            f"variant: {regs(log1)} registers, item loops {sum(map(len, b))} instructions in {len(b)} runs",
+            f"matvec item loops: {verdict}"]
+
+
 def nvdisasm() -> str:
     path = os.environ.get("KOG_NVDISASM") or shutil.which("nvdisasm")
     if not path or not os.path.exists(path):
@@ -156,15 +227,27 @@ def main():
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--load-use", type=int, default=0, metavar="N",
                     help="list global loads first read within N instructions instead (e.g. 12)")
+    ap.add_argument("--same-loop", nargs="+", metavar="KEY=VALUE", default=None,
+                    help="say instead whether the matvec item loops compile the same with these #defines "
+                         "over the build (--set applies to both), e.g. --set SPLITK_DOWN=1 --same-loop ATT_TAGS=1")
     a = ap.parse_args()
-    variant = dict(DEFAULT_BUILD)
-    for kv in a.set:
-        k, _, v = kv.partition("=")
-        if not k or not v.lstrip("-").isdigit():
-            raise SystemExit(f"--set {kv!r}: use KEY=INTEGER, e.g. --set NSLOTS=4")
-        variant[k] = int(v)
+    def parse(pairs, flag):
+        out = {}
+        for kv in pairs:
+            k, _, v = kv.partition("=")
+            if not k or not v.lstrip("-").isdigit():
+                raise SystemExit(f"{flag} {kv!r}: use KEY=INTEGER, e.g. {flag} NSLOTS=4")
+            out[k] = int(v)
+        return out
+    variant = dict(DEFAULT_BUILD, **parse(a.set, "--set"))
     try:
-        print("\n".join(report_load_use(variant, a.load_use) if a.load_use else report(variant, a.top)))
+        if a.same_loop:
+            lines = report_same_loop(variant, dict(variant, **parse(a.same_loop, "--same-loop")))
+        elif a.load_use:
+            lines = report_load_use(variant, a.load_use)
+        else:
+            lines = report(variant, a.top)
+        print("\n".join(lines))
     except KogError as e:
         raise SystemExit(f"error: {e}")
 
