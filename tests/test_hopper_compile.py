@@ -1008,10 +1008,12 @@ def test_signal_bar_build_uses_a_third_barrier():
 
 def test_sass_report_builds_the_default():
     """sass_report's build is the backend's default for bench-2b: the compile tests' DEFAULT plus
-    the ring and bench-2b's attention shapes (it once lagged three versions behind)."""
+    the ring, bench-2b's attention shapes and the split-K MLP (it lagged behind twice: three
+    versions, then v28's SPLITK_DOWN until session 25)."""
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
     shapes = dict(_bench2b_shape_consts())
-    assert DEFAULT_BUILD == dict(DEFAULT, **shapes, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, PREFETCH=0)
+    assert DEFAULT_BUILD == dict(DEFAULT, **shapes, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, PREFETCH=0,
+                                 SPLITK_DOWN=1)  # a Llama-family model's MLP (v28)
 
 
 def test_every_tuning_knob_is_documented():
