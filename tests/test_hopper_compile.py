@@ -930,6 +930,23 @@ __device__ __forceinline__ void mv_down_items(int* q) {
     assert any("mv_items(" in t for t in real) and any("mv_down_items(" in t for t in real) and len(real) > 100
 
 
+def test_sass_report_live_reads_life_ranges_and_source_lines():
+    """--live (session 25): nvdisasm -lrm count's '# live' column and -g's source lines, joined by
+    address (five-digit addresses too)."""
+    from kog_nvidia_hopper.sass_report import addr_lines, live_counts
+    lrm = """        /*0000*/                   LDC R1, c[0x0][0x28] ;     // |   12  |   1    |        |
+        /*10010*/                  LDG.E.128 R4, desc[UR4][R2.64] ;   // |  148  |   2    |    2   |
+        /*10020*/                  NOP ;
+"""
+    assert live_counts(lrm) == {"0000": 12, "10010": 148}
+    g = """	//## File "/x/decode.cu", line 7
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+	//## File "/x/decode.cu", line 9
+        /*10010*/                  LDG.E.128 R4, desc[UR4][R2.64] ;
+"""
+    assert addr_lines(g) == {"0000": 7, "10010": 9}
+
+
 def test_norm_smem_reserves_the_norm_weights_and_the_wpre_build_compiles(monkeypatch):
     """NORM_SMEM (the default since v17; perf notes session 8): the preloaded norm weights go to
     shared memory after the x rows, so a normed stage's scratch grows by K * 2 bytes.

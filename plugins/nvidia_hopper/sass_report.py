@@ -22,7 +22,11 @@ together): ATT_TAGS did (166 registers; -0.3 / -0.7% on an H100), ATT_TICKET_ACQ
 (level). Check it before an A/B of a change outside the matvec: if the loops moved, the A/B
 measures that too (perf notes, session 25).
 
-    python3 -m kog_nvidia_hopper.sass_report [--set KEY=VALUE ...] [--top N] [--load-use N]
+With --live it prints instead the live registers (nvdisasm's life ranges) over each item loop:
+how many registers a change there could take before the kernel's count (and every loop's
+schedule) moves, and which lines hold the peak.
+
+    python3 -m kog_nvidia_hopper.sass_report [--set KEY=VALUE ...] [--top N] [--load-use N] [--live]
                                              [--same-loop KEY=VALUE ...]
 
 nvdisasm is not a dependency: it comes from the `nvidia-cuda-nvdisasm` wheel (`pip download
@@ -158,6 +162,56 @@ def loop_runs(src: str, sass: str, code_lines: set[str]) -> list[tuple[str, ...]
     return sorted(runs)
 
 
+_LIVE = re.compile(r"/\*([0-9a-f]{4,})\*/.*?;\s*//\s*\|\s*(\d+)")
+
+
+def live_counts(lrm_sass: str) -> dict[str, int]:
+    """{address: live registers} from `nvdisasm -c -lrm count` output."""
+    return {m.group(1): int(m.group(2)) for m in map(_LIVE.search, lrm_sass.splitlines()) if m}
+
+
+def addr_lines(sass: str) -> dict[str, int]:
+    """{address: source line} from `nvdisasm -c -g` output."""
+    out, cur = {}, 0
+    for text in sass.splitlines():
+        m = _LINE.search(text)
+        if m:
+            cur = int(m.group(1))
+            continue
+        m = _INSN.search(text)
+        if m:
+            out[m.group(1)] = cur
+    return out
+
+
+def report_live(variant: dict, top: int = 5) -> list[str]:
+    from pathlib import Path
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.cuda_util import compile_cubin, ptxas_report, source
+    src, log, sass = _disassemble(variant)
+    cubin, _ = compile_cubin(source(S.header(variant)))  # the same build, from the cubin cache
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lrm = subprocess.run([nvdisasm(), "-c", "-lrm", "count", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    live, where, lines = live_counts(lrm), addr_lines(sass), src.splitlines()
+    matvec = (Path(__file__).parent / "kernels" / "matvec.cuh").read_text()
+    out = [f"kernel: {ptxas_report(log)['registers']} registers, at most {max(live.values())} live"]
+    for fn in ITEM_LOOPS:
+        code = function_lines(matvec, (fn,))
+        text = {a: lines[n - 1].strip() for a, n in where.items() if 0 < n <= len(lines)}
+        xs = sorted((n, text[a]) for a, n in live.items() if text.get(a) in code)
+        if not xs:
+            continue
+        ns = [n for n, _ in xs]
+        p90 = ns[int(len(ns) * 0.9)]
+        out.append(f"{fn}: {len(ns)} instructions, live min {ns[0]} / median {ns[len(ns) // 2]} / p90 {p90} / max {ns[-1]}")
+        peak = Counter(t for n, t in xs if n >= p90)
+        out += [f"    {k:3d} x  {t[:100]}" for t, k in peak.most_common(top)]
+    return out
+
+
 def report_same_loop(base: dict, variant: dict) -> list[str]:
     from pathlib import Path
     from kog_nvidia_hopper.cuda_util import ptxas_report
@@ -227,6 +281,8 @@ def main():
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--load-use", type=int, default=0, metavar="N",
                     help="list global loads first read within N instructions instead (e.g. 12)")
+    ap.add_argument("--live", action="store_true",
+                    help="print the item loops' live registers (min / median / p90 / max, the peak's lines) instead")
     ap.add_argument("--same-loop", nargs="+", metavar="KEY=VALUE", default=None,
                     help="say instead whether the matvec item loops compile the same with these #defines "
                          "over the build (--set applies to both), e.g. --same-loop ATT_TAGS=1")
@@ -241,7 +297,9 @@ def main():
         return out
     variant = dict(DEFAULT_BUILD, **parse(a.set, "--set"))
     try:
-        if a.same_loop:
+        if a.live:
+            lines = report_live(variant, a.top if a.top != 40 else 5)
+        elif a.same_loop:
             lines = report_same_loop(variant, dict(variant, **parse(a.same_loop, "--same-loop")))
         elif a.load_use:
             lines = report_load_use(variant, a.load_use)
