@@ -1,5 +1,7 @@
 #!/bin/bash
 # Device-call driver (H200). Phases given as arguments, run in order, logs under $OUT:
+#   needcard   stop the call at once unless the card's name contains NEED_CARD (default H200): an A/B
+#              that an H100 cannot answer costs ~30 s of device time instead of the whole call (session 25)
 #   setup      install the carried wheels (.whl: kog + pydantic & co built here); always first
 #   setupold   also install .whl_old's kog (a baseline build) beside it; SITE=/tmp/site_old picks it
 #   smolpart1  keep the SmolLM2 GGUF's first half (.devcarry/smol/part.aa) in /root/smol for the next call
@@ -38,6 +40,9 @@ set -u
 export PYTHONUNBUFFERED=1 KOG_CACHE=/tmp/kogcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 for phase in "$@"; do case $phase in
+needcard)
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  echo "$card" | grep -q "${NEED_CARD:-H200}" || { echo "card: $card, not ${NEED_CARD:-H200}: stopping"; exit 3; } ;;
 setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >$OUT/pip.log 2>&1 || { echo "pip failed"; tail -3 $OUT/pip.log; }
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader ;;
