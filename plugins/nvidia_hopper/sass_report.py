@@ -74,12 +74,10 @@ def count_by_line(sass: str) -> dict[int, Counter]:
 
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_GLOBAL_LOAD = re.compile(r"^(@!?P\d\s+)?(LDG|LD)\.E(\S*)\s+R(\d+),")
 
 
-def load_use(sass: str, window: int = 12) -> list[tuple[str, int, int, str, str]]:
-    """(address, source line, distance, load, first reader) for each global load of `nvdisasm -c -g`
-    output whose destination is read within `window` instructions, scanning straight on."""
+def instructions(sass: str) -> list[tuple[str, int, str]]:
+    """(address, source line, instruction) of each instruction of `nvdisasm -c -g` output."""
     ins, cur = [], 0
     for text in sass.splitlines():
         m = _LINE.search(text)
@@ -89,6 +87,16 @@ def load_use(sass: str, window: int = 12) -> list[tuple[str, int, int, str, str]
         m = _INSN.search(text)
         if m:
             ins.append((m.group(1), cur, m.group(2).strip()))
+    return ins
+
+
+_GLOBAL_LOAD = re.compile(r"^(@!?P\d\s+)?(LDG|LD)\.E(\S*)\s+R(\d+),")
+
+
+def load_use(sass: str, window: int = 12) -> list[tuple[str, int, int, str, str]]:
+    """(address, source line, distance, load, first reader) for each global load of `nvdisasm -c -g`
+    output whose destination is read within `window` instructions, scanning straight on."""
+    ins = instructions(sass)
     out = []
     for i, (addr, line, text) in enumerate(ins):
         m = _GLOBAL_LOAD.match(text)
@@ -143,17 +151,10 @@ def loop_runs(src: str, sass: str, code_lines: set[str]) -> list[tuple[str, ...]
     """Sorted runs of consecutive instructions whose source line's text is in `code_lines`, branch
     targets and other addresses masked: equal lists mean the same code, wherever it was placed."""
     lines = src.splitlines()
-    runs, run, cur = [], [], 0
-    for text in sass.splitlines():
-        m = _LINE.search(text)
-        if m:
-            cur = int(m.group(1))
-            continue
-        m = _INSN.search(text)
-        if not m:
-            continue
+    runs, run = [], []
+    for _, cur, text in instructions(sass):
         if 0 < cur <= len(lines) and lines[cur - 1].strip() in code_lines:
-            run.append(re.sub(r"0x[0-9a-f]+|`\(\S+\)", "X", m.group(2)))
+            run.append(re.sub(r"0x[0-9a-f]+|`\(\S+\)", "X", text))
         elif run:
             runs.append(tuple(run))
             run = []
@@ -172,35 +173,23 @@ def live_counts(lrm_sass: str) -> dict[str, int]:
 
 def addr_lines(sass: str) -> dict[str, int]:
     """{address: source line} from `nvdisasm -c -g` output."""
-    out, cur = {}, 0
-    for text in sass.splitlines():
-        m = _LINE.search(text)
-        if m:
-            cur = int(m.group(1))
-            continue
-        m = _INSN.search(text)
-        if m:
-            out[m.group(1)] = cur
-    return out
+    return {addr: line for addr, line, _ in instructions(sass)}
+
+
+def _item_loop_lines(names=ITEM_LOOPS) -> set[str]:
+    from pathlib import Path
+    return function_lines((Path(__file__).parent / "kernels" / "matvec.cuh").read_text(), names)
 
 
 def report_live(variant: dict, top: int = 5) -> list[str]:
-    from pathlib import Path
-    from kog_nvidia_hopper import schedule as S
-    from kog_nvidia_hopper.cuda_util import compile_cubin, ptxas_report, source
-    src, log, sass = _disassemble(variant)
-    cubin, _ = compile_cubin(source(S.header(variant)))  # the same build, from the cubin cache
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        lrm = subprocess.run([nvdisasm(), "-c", "-lrm", "count", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    live, where, lines = live_counts(lrm), addr_lines(sass), src.splitlines()
-    matvec = (Path(__file__).parent / "kernels" / "matvec.cuh").read_text()
+    from kog_nvidia_hopper.cuda_util import ptxas_report
+    src, log, sass, lrm = _disassemble(variant, ("-lrm", "count"))
+    lines = src.splitlines()
+    live = live_counts(lrm)
+    text = {a: lines[n - 1].strip() for a, n in addr_lines(sass).items() if 0 < n <= len(lines)}
     out = [f"kernel: {ptxas_report(log)['registers']} registers, at most {max(live.values())} live"]
     for fn in ITEM_LOOPS:
-        code = function_lines(matvec, (fn,))
-        text = {a: lines[n - 1].strip() for a, n in where.items() if 0 < n <= len(lines)}
+        code = _item_loop_lines((fn,))
         xs = sorted((n, text[a]) for a, n in live.items() if text.get(a) in code)
         if not xs:
             continue
@@ -213,9 +202,8 @@ def report_live(variant: dict, top: int = 5) -> list[str]:
 
 
 def report_same_loop(base: dict, variant: dict) -> list[str]:
-    from pathlib import Path
     from kog_nvidia_hopper.cuda_util import ptxas_report
-    code = function_lines((Path(__file__).parent / "kernels" / "matvec.cuh").read_text())
+    code = _item_loop_lines()
     src0, log0, sass0 = _disassemble(base)
     src1, log1, sass1 = _disassemble(variant)
     a, b = loop_runs(src0, sass0, code), loop_runs(src1, sass1, code)
@@ -234,8 +222,9 @@ def nvdisasm() -> str:
     return path
 
 
-def _disassemble(variant: dict) -> tuple[str, str, str]:
-    """(source, ptxas log, nvdisasm -c -g output) of a build."""
+def _disassemble(variant: dict, *more: tuple[str, ...]) -> tuple[str, ...]:
+    """(source, ptxas log, nvdisasm -c -g output) of a build, then one more listing of the same
+    cubin for each tuple of nvdisasm options in `more` (e.g. ("-lrm", "count"): -g is ignored there)."""
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.cuda_util import compile_cubin, source
     src = source(S.header(variant))
@@ -244,8 +233,9 @@ def _disassemble(variant: dict) -> tuple[str, str, str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([tool, "-c", "-g", f.name], capture_output=True, text=True, check=True).stdout
-    return src, log, sass
+        listings = [subprocess.run([tool, "-c", *opts, f.name], capture_output=True, text=True, check=True).stdout
+                    for opts in (("-g",), *more)]
+    return (src, log, *listings)
 
 
 def report_load_use(variant: dict, window: int) -> list[str]:
@@ -278,7 +268,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", nargs="*", action="extend", default=[],
                     help="build #defines over the default, e.g. --set NSLOTS=4 NT=256 (repeatable)")
-    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--top", type=int, default=None, help="lines to list (default 40; --live: 5 a loop)")
     ap.add_argument("--load-use", type=int, default=0, metavar="N",
                     help="list global loads first read within N instructions instead (e.g. 12)")
     ap.add_argument("--live", action="store_true",
@@ -298,13 +288,13 @@ def main():
     variant = dict(DEFAULT_BUILD, **parse(a.set, "--set"))
     try:
         if a.live:
-            lines = report_live(variant, a.top if a.top != 40 else 5)
+            lines = report_live(variant, a.top or 5)
         elif a.same_loop:
             lines = report_same_loop(variant, dict(variant, **parse(a.same_loop, "--same-loop")))
         elif a.load_use:
             lines = report_load_use(variant, a.load_use)
         else:
-            lines = report(variant, a.top)
+            lines = report(variant, a.top or 40)
         print("\n".join(lines))
     except KogError as e:
         raise SystemExit(f"error: {e}")
