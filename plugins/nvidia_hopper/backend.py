@@ -300,7 +300,27 @@ class HopperBackend(KernelBackend):
         # 5 slots by default (session 16, same calls, against 6: laneformer-2b +0.55%, llama-3.2-1b
         # +0.17%, bench-2b +0.15%; 4: bench-2b -0.6%): fewer copies queued in front of every load
         max_slots = _env_int("KOG_HOPPER_SLOTS", S.DEFAULT_SLOTS, lo=2, hi=S.MAX_SLOTS)
+        # KOG_HOPPER_POOL (session 26, an experiment, off): this percentage of a long stage's rows (the
+        # LM head, a split-K stage) is not dealt but grabbed at run time by whichever block's producer
+        # gets there first, in units of a row group (a split-K stage's: KOG_HOPPER_POOL_ROWS rows of
+        # gate/up and down), so the stage ends with its last unit, not with its slowest block's share
+        # (schedule.pool_rows, stream.cuh DYN_POOL)
+        pool_pct = _env_int("KOG_HOPPER_POOL", 0, lo=0, hi=50)
+        if pool_pct and (self.pairs or self.splitk_bulk or _env_int("KOG_HOPPER_COPY_LSU", 0, lo=0, hi=1)):
+            raise KogError("KOG_HOPPER_POOL sums split-K partials with red instructions and ends a pool with a plain "
+                           "arrive: unset KOG_HOPPER_SPLITK_PAIRS, KOG_HOPPER_SPLITK_BULK and KOG_HOPPER_COPY_LSU, "
+                           "or KOG_HOPPER_POOL")
+        pool_unit = _env_int("KOG_HOPPER_POOL_ROWS", 7, lo=1, hi=self.nw)
+        pool_min = _env_int("KOG_HOPPER_POOL_MIN_ROWS", S.POOL_MIN_ROWS_A_BLOCK, lo=1)
+        for st in stages:
+            if st.type == "matvec" and pool_pct:
+                st.f["_pool_pct"], st.f["_pool_min"] = pool_pct, pool_min
+                st.f["_pool_rows"] = pool_unit if st.f.get("_splitk") else 2 * self.nw
         slot_bytes, plans, scratch = self._ring_slots(stages, item_rows, wide, max_slots)
+        self.npools = S.pool_count(plans, self.nb)
+        for si, plan in plans.items():
+            if S.pool_layout(plan, self.nb):
+                stages[si].f["MV_FLAGS"] = int(stages[si].f["MV_FLAGS"]) | S.CONSTS["MVF_POOL"]
         self.d_acc, self.acc_bytes = self._splitk_accumulators(stages)
         streamed = []
         for si, st in enumerate(stages):
@@ -393,6 +413,11 @@ class HopperBackend(KernelBackend):
         if self.splitk_bulk:  # the bulk reduction's source at the end of the stage scratch (128-byte aligned)
             stg = max(S.splitk_stage_bytes(st) for st in stages if st.f.get("_splitk"))
             variant.update(SPLITK_BULK=1, SPLITK_STAGE_OFF=(scratch - stg) // 128 * 128)
+        if self.npools:  # DYN_POOL; a split-K stage's partials (D floats) at the end of the stage scratch
+            variant["DYN_POOL"] = 1
+            pacc = max([S.splitk_stage_bytes(st) // 2 for st in stages if st.f.get("_splitk")], default=0)
+            if pacc:
+                variant["POOL_ACC_OFF"] = (scratch - pacc) // 16 * 16
         if self.sample_grid:
             variant.update(SAMPLE_GRID=1, SAMPLE_EPT=self.sample_ept)
         # the dynamic shared memory (and so every ring slot) on a fixed boundary, not wherever the
@@ -439,6 +464,8 @@ class HopperBackend(KernelBackend):
                                f"needs {self.nb // 2}: unset KOG_HOPPER_SPLITK_PAIRS")
         # run parameters, prompt, stop ids, sampling scratch, host-mapped outputs
         self.d_run = self._alloc(S.NRUN * 8)
+        # DYN_POOL's grab counters, [pool][token iteration]: each used once a launch, zeroed before it
+        self.d_pool = self._alloc(self.npools * self.T * 4) if self.npools else 0
         self.d_prompt = self._alloc(self.T * 4)
         self.d_stops = self._alloc(256 * 4)
         # sampled decoding's memory: the grid's rounds (sample_grid.cuh), or block 0's z and p (sample.cuh)
@@ -494,6 +521,8 @@ class HopperBackend(KernelBackend):
                     stages[si].smem += S.pair_rbuf_bytes(stages[si]) + 16
                 if getattr(self, "splitk_bulk", False):  # or for the bulk reduction's source (SPLITK_STAGE_OFF)
                     stages[si].smem += S.splitk_stage_bytes(stages[si]) + 128
+                if S.pool_rows(stages[si], self.nb):  # or for the partials of a pooled stage (POOL_ACC_OFF)
+                    stages[si].smem += S.splitk_stage_bytes(stages[si]) // 2 + 16
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:
@@ -574,12 +603,15 @@ class HopperBackend(KernelBackend):
         run[R["R_SKIP"]] = skip
         run[R["R_STREAM"]] = self.d_stream
         run[R["R_BINFO"]] = self.d_binfo
+        run[R["R_POOL"]] = self.d_pool
         if self.d_trace:
             check(drv.cuMemsetD32(self.d_trace, 0, int(np.prod(self.trace_shape)) * 2), "cuMemsetD32(trace)")
             run[R["R_TRACE"]] = self.d_trace
             run[R["R_TRACE_IT0"]] = self.trace_it0
         check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
         check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
+        if self.d_pool:
+            check(drv.cuMemsetD32(self.d_pool, 0, self.npools * self.T), "cuMemsetD32(pool counters)")
         if self.d_acc:  # split-K accumulators: parity 0 starts at zero (each token zeroes the other for the next)
             check(drv.cuMemsetD32(self.d_acc, 0, self.acc_bytes // 4), "cuMemsetD32(split-K accumulators)")
         for name, numel in self.tagged.items():  # TAG_DOWN: every value's parity bit says "not yet written" to write 0

@@ -55,7 +55,7 @@ CONSTS = dict(
     SG_ROUNDS=24,  # the grid sampler's rounds a token at most (sample_grid.cuh: 3 selects of 8 passes)
     SAMPLE_CAP=2048,  # block 0's sampler (sample.cuh radix_select): candidates listed in shared memory once that few
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
-    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64, MVF_CARRY=128,
+    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64, MVF_CARRY=128, MVF_POOL=256,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
     OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
 )
@@ -67,8 +67,9 @@ RUN = dict(
     R_TRACE=20, R_TRACE_IT0=21,  # trace builds only (trace.py)
     R_STREAM=22, R_BINFO=23,     # the producers' copy lists and the blocks' stage info (stream_list)
     R_SAMPLE_SYNC=24,            # SAMPLE_GRID: the rounds' arrival counter and global bins (sample_grid_bytes)
+    R_POOL=25,                   # DYN_POOL: the pools' grab counters, [pool][token iteration] (stream_list)
 )
-NRUN = 25
+NRUN = 26
 
 SUPPORTED_OPS = frozenset({"embed", "rmsnorm", "matvec", "rope", "kv_append", "attention", "swiglu",
                            "add", "copy", "lane_mean", "lane_sum", "collective", "lane_residual",
@@ -716,7 +717,8 @@ def splitk_stage_bytes(st: "Stage") -> int:
 
 def splitk_rows(st: "Stage", nb: int) -> int:
     """The most gate/up rows one block of a split-K stage takes (its SwiGLU values in shared memory)."""
-    most = 0
+    pool = pool_rows(st, nb)
+    most = pool[3] if pool else 0  # a pool unit's rows take the same place (DYN_POOL)
     for si, *_, b, r0, r1 in _deal_rows(st, nb):
         most = max(most, r1 - r0)
     return most
@@ -748,6 +750,35 @@ MAX_SLOTS = 16
 DEFAULT_SLOTS = 5  # the ring's slots unless KOG_HOPPER_SLOTS says otherwise (backend.load)
 
 
+POOL_MIN_ROWS_A_BLOCK = 48  # a stage gets a pool only if each block would still deal this many rows
+
+
+def pool_rows(st: Stage, nb: int) -> tuple[int, int, int, int] | None:
+    """KOG_HOPPER_POOL (DYN_POOL; the backend sets st.f["_pool_pct"] and ["_pool_rows"] on the
+    stages it may take): (segment, rows dealt, rows in all, rows a unit) of a matvec stage whose
+    last rows form a pool of units that the blocks' producers grab at run time, or None.
+
+    Why: a stage ends when its slowest block does. The trace of v30 (bench-2b, an H100) has the
+    blocks' work consistent per SM (24 SMs ~10% faster, the same ones in every stage and token) and
+    the rest spread by ~3.4 us a split-K stage: statically equal shares leave the fast SMs idle and
+    the stage waiting on the unlucky. Pooled rows go to whichever producer reaches them first.
+    Only stages of one dealt segment without lanes (a Llama-family LM head, a split-K gate/up +
+    down stage) with at least POOL_MIN_ROWS_A_BLOCK rows a block; the pool is a whole number of
+    units, each one row group (and for a split-K stage the same rows of down_proj)."""
+    pct, unit = int(st.f.get("_pool_pct", 0)), int(st.f.get("_pool_rows", 0))
+    if st.type != "matvec" or pct <= 0 or unit <= 0:
+        return None
+    dealt = [si for si, sg in enumerate(st.segs) if not sg.get("_splitk")]
+    if len(dealt) != 1 or st.segs[dealt[0]]["lanes"] != 1:
+        return None
+    si = dealt[0]
+    n = int(st.segs[si]["SEG_N"])
+    units = n * pct // 100 // unit
+    if units <= 0 or (n - units * unit) < int(st.f.get("_pool_min", POOL_MIN_ROWS_A_BLOCK)) * nb:
+        return None
+    return si, n - units * unit, n, unit
+
+
 def _deal_rows(st: Stage, nb: int):
     """Rows of every (segment, lane) dealt to the blocks in contiguous ranges of equal bytes:
     yields (segment, lane, rows, pair, block, first row, end row) for every non-empty range.
@@ -759,6 +790,9 @@ def _deal_rows(st: Stage, nb: int):
     Without lanes both orders are the same."""
     runs = [(si, lane, int(sg["SEG_N"]), bool(sg["SEG_W2"]))  # (segment, lane, rows, pair)
             for si, sg in enumerate(st.segs) if not sg.get("_splitk") for lane in range(sg["lanes"])]
+    pool = pool_rows(st, nb)
+    if pool:  # the pooled rows (the segment's last) are grabbed at run time, not dealt (pool_rows)
+        runs = [(si, lane, pool[1] if si == pool[0] else n, pair) for si, lane, n, pair in runs]
     if st.f.get("_lane_major"):
         runs.sort(key=lambda run: run[1])  # stable: each lane's segments stay in order
     pad = int(st.f.get("_lane_pad", 0)) if st.f.get("_lane_major") else 0
@@ -844,6 +878,9 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     for si, sg in enumerate(st.segs):  # a split-K down_proj (fuse_down_splitk): after each block's gate/up items
         if sg.get("_splitk"):
             _splitk_items(per_block, si, int(sg["SEG_N"]), slot_bytes)
+    pool_items = _pool_items(st, nb, slot_bytes, max_rows, kalign)
+    if pool_items and not all(per_block):  # a block's input row is loaded for its own items
+        raise ValueError("stream_plan: with a pool every block needs rows of its own (raise KOG_HOPPER_POOL_MIN_ROWS)")
     head = (3 * nb + 4) & ~3
     offs, lane0, nl, items = [0], [], [], []
     xbytes = 0
@@ -859,6 +896,7 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
         items += its
         offs.append(len(items))
         xbytes = max(xbytes, cnt * K * 4)
+    items += pool_items  # after every block's: offs[nb] is where the pool begins (pool_layout)
     # packed offsets in 16-byte units; field 0 carries segment | lane << 2, field 1 the offset
     at = 0
     for it in items:
@@ -873,6 +911,54 @@ def stream_plan(st: Stage, nb: int, nw: int, slot_bytes: int, max_rows: int | No
     if items:
         plan[head:] = np.asarray(items, np.int64).ravel()
     return plan, xbytes
+
+
+IT_FIRST, IT_LAST = 1, 2  # an item's flags (stream.cuh): first / last k-slice of its row group
+IT_UNIT, IT_END = 4, 8  # a pool unit's first item; the pool's end (the producer's marker, no data)
+
+
+def _pool_items(st: Stage, nb: int, slot_bytes: int, max_rows: int, kalign: int) -> list[list]:
+    """The pool's items (pool_rows), unit after unit, every unit cut the same way: one row group of
+    `unit` rows in as few k-slices as fit a slot, then for a split-K stage the same rows of
+    down_proj's transpose (whole rows). A unit's first item carries IT_UNIT | its gate/up (or
+    plain) items << 8 | its down items << 16: the consumers learn a unit's shape from its header."""
+    pool = pool_rows(st, nb)
+    if not pool:
+        return []
+    si, n0, n, unit = pool
+    K = int(st.f["MV_K"])
+    cost = 2 if st.segs[si]["SEG_W2"] else 1
+    if unit * cost > max_rows:
+        raise ValueError(f"stream_plan: a pool unit of {unit} rows exceeds a row group ({max_rows // cost} rows)")
+    cuts = _k_cuts(K // 8, max(1, slot_bytes // (unit * cost * 2) // 8), kalign)
+    down = [(j, int(sg["SEG_N"])) for j, sg in enumerate(st.segs) if sg.get("_splitk")]
+    out = []
+    for a in range(n0, n, unit):
+        its = [[si, 0, a, unit, cuts[i] * 8, (cuts[i + 1] - cuts[i]) * 8,
+                (IT_FIRST if i == 0 else 0) | (IT_LAST if i == len(cuts) - 2 else 0), 0] for i in range(len(cuts) - 1)]
+        ngu = len(its)
+        for dj, D in down:
+            per = slot_bytes // (D * 2)
+            ng = -(-unit // per)
+            edges = [a + unit * g // ng for g in range(ng + 1)]
+            its += [[dj, 0, edges[g], edges[g + 1] - edges[g], 0, D, (IT_FIRST if g == 0 else 0) | (IT_LAST if g == ng - 1 else 0), 0]
+                    for g in range(ng)]
+        if ngu >= 256 or len(its) - ngu >= 256:
+            raise ValueError("stream_plan: a pool unit needs fewer than 256 items of each kind")
+        its[0][6] |= IT_UNIT | ngu << 8 | (len(its) - ngu) << 16
+        out += its
+    return out
+
+
+def pool_layout(plan: np.ndarray, nb: int) -> tuple[int, int, int] | None:
+    """(first pool item, items a unit, units) of a stream plan, or None without a pool."""
+    its = plan_items(plan, nb)
+    start = int(plan[nb])
+    if start >= len(its):
+        return None
+    firsts = np.nonzero(its[start:, 7] & IT_UNIT)[0]
+    per = int(firsts[1]) if len(firsts) > 1 else len(its) - start
+    return start, per, (len(its) - start) // per
 
 
 def _splitk_items(per_block: list, si: int, D: int, slot_bytes: int) -> None:
@@ -920,6 +1006,13 @@ def plan_items(plan: np.ndarray, nb: int) -> np.ndarray:
 
 
 SE_WORDS = 12  # uint32 per stream-list entry (stream.cuh produce)
+SE_POOL, SE_TEMPLATE = 8, 16  # entry flags (stream.cuh): a pool's marker (units, items a unit, unit bytes,
+                              # flags; pool index, rows a unit), and its template entries (unit 0's)
+
+
+def pool_count(plans: dict, nb: int) -> int:
+    """Stages with a pool (each has one grab counter a token iteration, R_POOL)."""
+    return sum(1 for plan in plans.values() if pool_layout(plan, nb))
 
 
 def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray]:
@@ -938,6 +1031,7 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
     follows]) of every matvec stage (flag bit 2 on a block's first item of such a stage)."""
     per_block: list[list] = [[] for _ in range(nb)]
     binfo = np.zeros((nst, nb, 4), np.int32)
+    npools = 0
     for si, plan, segs, packed, mv_flags, *rest in stages:
         att_next = bool(rest and rest[0])
         raw = plan[(3 * nb + 4) & ~3:].reshape(-1, 8)
@@ -950,14 +1044,25 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
         if any(sg.get("_splitk") for sg in segs):
             binfo[si, :, 3] = splitk_block_info(its, offs, segs, nb)
         flags = (1 if mv_flags & 2 else 0) | (2 if mv_flags & 1 else 0) | (si << 8)
+
+        def entry(j, fl):
+            seg, _, off16, _, rows, _, klen, _, _ = its[j]
+            src = int(packed) + int(off16) * 16
+            nbytes = int(rows) * int(klen) * (4 if segs[seg]["SEG_W2"] else 2)
+            return [src & 0xFFFFFFFF, src >> 32, nbytes, fl] + [int(v) & 0xFFFFFFFF for v in raw[j]]
+        pool = pool_layout(plan, nb)
+        if pool:  # a marker, then unit 0's entries as the template of every unit (stream.cuh produce)
+            start, per, units = pool
+            ubytes = sum(entry(j, 0)[2] for j in range(start, start + per))
+            tail = [[units, per, ubytes, flags | SE_POOL, npools, int(its[start][4])] + [0] * 6]
+            tail += [entry(j, flags | SE_TEMPLATE) for j in range(start, start + per)]
+            npools += 1
         for b in range(nb):
             for j in range(offs[b], offs[b + 1]):
                 first_of_attn = att_next and j == offs[b]
-                seg, _, off16, _, rows, _, klen, _, _ = its[j]
-                src = int(packed) + int(off16) * 16
-                nbytes = int(rows) * int(klen) * (4 if segs[seg]["SEG_W2"] else 2)
-                fl = flags | (4 if first_of_attn else 0)  # SE_ATT_NEXT: prefetch the next attention's K/V
-                per_block[b].append([src & 0xFFFFFFFF, src >> 32, nbytes, fl] + [int(v) & 0xFFFFFFFF for v in raw[j]])
+                per_block[b].append(entry(j, flags | (4 if first_of_attn else 0)))  # 4: SE_ATT_NEXT, prefetch the next attention's K/V
+            if pool:
+                per_block[b] += tail
     head = ((nb + 4) >> 2) * 4
     counts = np.cumsum([0] + [len(e) for e in per_block])
     out = np.zeros(head + SE_WORDS * int(counts[-1]), np.uint32)

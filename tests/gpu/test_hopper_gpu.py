@@ -527,3 +527,44 @@ def test_att_tags_refuse_the_loader_combine_in_one_line(monkeypatch):
     with pytest.raises(KogError) as e:
         _backends(prog, w)
     assert "KOG_HOPPER_ATT_TAGS" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_pool_matches_reference(name, monkeypatch):
+    """KOG_HOPPER_POOL (session 26, DYN_POOL): a fifth of the LM head's and each split-K stage's
+    rows grabbed at run time by whichever block's producer gets there first (the small models
+    qualify with KOG_HOPPER_POOL_MIN_ROWS=1; units of 3 rows). Logits at every position and greedy
+    tokens match the reference over several launches (each starts its grab counters at zero),
+    seeded sampling repeats (which block adds a split-K unit's partial does not change the exact
+    sum; an LM head row's dot product is one warp's wherever it runs), and the pools exist."""
+    monkeypatch.setenv("KOG_HOPPER_POOL", "20")
+    monkeypatch.setenv("KOG_HOPPER_POOL_ROWS", "3")
+    monkeypatch.setenv("KOG_HOPPER_POOL_MIN_ROWS", "1")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("DYN_POOL") == 1 and hb.npools >= 1
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+        if name == "llama":
+            _assert_sampling_seeded_and_as_defined(hb)
+    finally:
+        hb.close()
+
+
+@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
+def test_pool_on_the_benchmark_presets(preset, monkeypatch):
+    """KOG_HOPPER_POOL=15 at the presets' own shapes (the LM head's 20-row units of 3 k-slices, the
+    split-K stages' 7-row units of 2 gate/up items and 1 down item): as
+    test_benchmark_preset_matches_reference, with every split-K stage and the LM head pooled."""
+    monkeypatch.setenv("KOG_HOPPER_POOL", "15")
+    test_benchmark_preset_matches_reference(preset)
+
+
+def test_pool_refuses_the_other_splitk_sums_in_one_line(monkeypatch):
+    """KOG_HOPPER_POOL with KOG_HOPPER_SPLITK_PAIRS: a KogError naming both, before any compile."""
+    from kog_core.errors import KogError
+    monkeypatch.setenv("KOG_HOPPER_POOL", "15")
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_PAIRS", "1")
+    arch, prog, w = model("llama")
+    with pytest.raises(KogError, match="KOG_HOPPER_POOL"):
+        _backends(prog, w)

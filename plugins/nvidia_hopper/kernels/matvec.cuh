@@ -626,7 +626,7 @@ __device__ __forceinline__ void mv_emit_pair(float* out, int r0, int r1, bool vb
 template <int RG, bool HS = false>
 __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nitems, int lane0, int K,
                                          int flags, int mode, const float* xs, float& best, int& bidx,
-                                         float* hrow = nullptr) {
+                                         float* hrow = nullptr, bool until_end = false) {
 #ifdef TRACE
     u64 twait = 0;
 #endif
@@ -649,7 +649,11 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
     i64* cout = nullptr;
 #endif
 #endif
+#if DYN_POOL
+    for (int j = 0; j < nitems || until_end; ++j, ++q) {  // until_end: then the pool's units, up to its end marker
+#else
     for (int j = 0; j < nitems; ++j, ++q) {
+#endif
         const u32 slot = q % NSLOTS;
 #ifdef TRACE
         const u64 tw = c.tr ? gtimer() : 0;
@@ -659,6 +663,9 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
         if (c.tr) twait += gtimer() - tw;
 #endif
         const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
+#if DYN_POOL
+        if (g.z & IT_END) { mbar_arrive(&empty_bar[slot]); ++q; break; }
+#endif
         const i64* sg = seg(st, h.x & 3);
         const bool pair = sg[SEG_W2] != 0;
         const int ra = pair ? warp : 2 * RG * warp + (RG > 1 ? 2 * (ln >> 4) : 0);  // row indices within the item
@@ -833,6 +840,80 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
     for (int i = tid; i < 8 * n8; i += NT) if (!(DEBUG_SPLITK & 1)) red_add_i64(acc + acc_ix(i), f2fix(xs[i]));
 #endif
 }
+
+#if DYN_POOL
+#if SPLITK_PAIRS || SPLITK_BULK
+#error "DYN_POOL sums a split-K stage's partials with red instructions: not with SPLITK_PAIRS or SPLITK_BULK"
+#endif
+#ifndef POOL_ACC_OFF
+#error "DYN_POOL needs POOL_ACC_OFF, the byte offset of the split-K partials in dynamic shared memory"
+#endif
+// DYN_POOL's split-K stage: down items of the static share or of one pool unit, added to this
+// thread's partials in shared memory (pacc[8 t .. 8 t + 7] and [8 (t + NT) ..]: its own, so no barrier)
+__device__ __forceinline__ void mv_down_accumulate(u32& q, int nitems, const float* hrow, float* pacc) {
+    const int tid = threadIdx.x;
+    float a0[8], a1[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { a0[e] = 0.f; a1[e] = 0.f; }
+    int n8 = 0;
+    for (int j = 0; j < nitems; ++j, ++q) {
+        const u32 slot = q % NSLOTS;
+        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
+        const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
+        n8 = g.y >> 3;
+        const uint4* w = (const uint4*)ring_slot(q);
+        const float* hv = hrow + h.z;
+#pragma unroll 1
+        for (int r = 0; r < h.w; ++r) {
+            const float s = hv[r];
+            if (tid < n8) axpy8(w[r * n8 + tid], s, a0);
+            if (tid + NT < n8) axpy8(w[r * n8 + tid + NT], s, a1);
+        }
+        mbar_arrive(&empty_bar[slot]);
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int g = tid + u * NT;
+        if (g >= n8) continue;
+        const float* a = u ? a1 : a0;
+        float4* p = (float4*)pacc + 2 * g;
+        const float4 v0 = p[0], v1 = p[1];
+        p[0] = make_float4(v0.x + a[0], v0.y + a[1], v0.z + a[2], v0.w + a[3]);
+        p[1] = make_float4(v1.x + a[4], v1.y + a[5], v1.z + a[6], v1.w + a[7]);
+    }
+}
+// The split-K stage with a pool: the block's own gate/up and down items, then unit after unit of
+// the pool (each: its gate/up items into hs, a barrier, its down items) until the end marker, the
+// partials summed in shared memory; then the atomics, as mv_down_items's.
+__device__ __forceinline__ void run_splitk_pool(Ctx& c, u32& q, const i64* st, int nitems, int ndown, int rbase,
+                                                int lane0, int K, int flags, int mode, const float* xs, float* hs,
+                                                float& best, int& bidx) {
+    const int tid = threadIdx.x;
+    const int n8 = (int)st[MV_ACC_D] >> 3;
+    float* pacc = (float*)((char*)smem_f() + POOL_ACC_OFF);
+    for (int g = tid; g < n8; g += NT) {
+        ((float4*)pacc)[2 * g] = make_float4(0.f, 0.f, 0.f, 0.f);
+        ((float4*)pacc)[2 * g + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    int ngu = nitems - ndown, ndn = ndown, rb = rbase;
+    for (;;) {
+        mv_items<1, true>(c, q, st, ngu, lane0, K, flags, mode, xs, best, bidx, hs - rb);
+        csync();  // every warp's SwiGLU values in shared memory
+        mv_down_accumulate(q, ndn, hs - rb, pacc);
+        if (!(flags & MVF_POOL)) break;
+        const u32 slot = q % NSLOTS;  // the next unit, or the end
+        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
+        const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
+        if (g.z & IT_END) { mbar_arrive(&empty_bar[slot]); ++q; break; }
+        ngu = (g.z >> 8) & 0xff; ndn = (g.z >> 16) & 0xff; rb = h.z;
+        csync();  // every thread's reads of hs before this unit's SwiGLU values overwrite it
+    }
+    csync();  // every thread's partials
+    i64* acc = (i64*)acc_of(st, MV_ACC, c.it);
+#pragma unroll 4
+    for (int i = tid; i < 8 * n8; i += NT) red_add_i64(acc + acc_ix(i), f2fix(pacc[i]));
+}
+#endif
 #endif
 
 // A matvec stage: the norm weights preloaded, the wait, the input row, the items, then the LM
@@ -905,18 +986,23 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
 #pragma unroll 1
             for (int i = D * (int)blockIdx.x / nb + tid; i < D * ((int)blockIdx.x + 1) / nb; i += NT) other[i] = 0;
         }
+#if DYN_POOL
+        run_splitk_pool(c, q, st, nitems, ndown, rbase, lane0, K, flags, mode, xs, hs, best, bidx);
+#else
         mv_items<1, true>(c, q, st, nitems - ndown, lane0, K, flags, mode, xs, best, bidx, hs - rbase);
         csync();  // every warp's SwiGLU values in shared memory
         mv_down_items(c, q, st, ndown, hs - rbase, xs);
+#endif
         q_io = q;
         return;
     }
 #endif
+    const bool until_end = DYN_POOL && (flags & MVF_POOL);  // then the pool's units
 #if WIDE_ITEMS
-    if (flags & MVF_WIDE) mv_items<2>(c, q, st, nitems, lane0, K, flags, mode, xs, best, bidx);
+    if (flags & MVF_WIDE) mv_items<2>(c, q, st, nitems, lane0, K, flags, mode, xs, best, bidx, nullptr, until_end);
     else
 #endif
-    mv_items<1>(c, q, st, nitems, lane0, K, flags, mode, xs, best, bidx);
+    mv_items<1>(c, q, st, nitems, lane0, K, flags, mode, xs, best, bidx, nullptr, until_end);
     q_io = q;
     if (flags & MVF_ARGMAX) {  // one (max, index) partial per block
 #if WIDE_ITEMS

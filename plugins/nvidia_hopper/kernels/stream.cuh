@@ -9,6 +9,8 @@
 // header beside the data, so a consumer never reads an item description from global memory.
 #define IT_FIRST 1
 #define IT_LAST 2
+#define IT_UNIT 4  // a pool unit's first item; bits 8-15 its gate/up (or plain) items, 16-23 its down items
+#define IT_END 8   // the pool's end: a slot without data (DYN_POOL)
 
 // SMEM_ALIGN: the dynamic shared memory (stage scratch, then the ring) starts on this boundary. It
 // follows the static shared memory, whose size moves with every __shared__ variable: without it,
@@ -61,6 +63,26 @@ __device__ __forceinline__ unsigned char* ring_slot(u32 q) {
 #define SE_SKIP_PROMPT 1  // the stage's MVF_SKIP_PROMPT
 #define SE_LOGITS 2       // the stage writes the logits (benchmark skip bit 5 rather than 1)
 #define SE_ATT_NEXT 4     // first item of a stage that an attention stage follows
+#define SE_POOL 8         // a pool's marker (schedule.stream_list; DYN_POOL)
+#define SE_TEMPLATE 16    // the pool's unit 0, the template of every unit it copies
+// DYN_POOL (KOG_HOPPER_POOL, schedule.pool_rows): the last rows of a long stage (the LM head, a
+// split-K gate/up + down stage) are not dealt to the blocks: they form a pool of equal units, and
+// after its own items each block's producer grabs units (one atomic on the stage's counter for
+// this token) and copies them until the pool is empty, then puts an end marker in the next slot.
+// Blocks whose SMs stream faster, or which were luckier this time, take more units, so the stage
+// ends when the last unit does, not when the slowest block's fixed share does.
+#ifndef DYN_POOL
+#define DYN_POOL 0
+#endif
+// POOL_GRAB_AT: a block asks for its next unit before copying item POOL_GRAB_AT of the current
+// one (0: at once, so the atomic's round trip overlaps the unit's copies, but a block may hold a
+// unit it has not started when the pool runs dry; >= the unit's items: after its last copy)
+#ifndef POOL_GRAB_AT
+#define POOL_GRAB_AT 0
+#endif
+#if DYN_POOL && COPY_LSU
+#error "DYN_POOL's end marker completes a slot with one arrival: not with COPY_LSU"
+#endif
 #ifndef PREFETCH
 #define PREFETCH 0        // items the L2 prefetch runs ahead of the ring's copies (0..32)
 #endif
@@ -105,6 +127,70 @@ __device__ void att_prefetch_l2(const Ctx& c, int as, int it) {
     prefetch_l2((const u16*)st[AT_VC] + row, bytes);
 }
 
+#if DYN_POOL
+// One item into ring slot q % NSLOTS once the consumers have released it (lane 0; the header
+// beside the data, then the copy; bytes 0: the pool's end marker, completed by a plain arrive).
+// False when the request ended while waiting.
+__device__ __forceinline__ bool put_slot(u32 q, u64 src, u32 bytes, int4 ih, int4 ig, u64 l2pol) {
+    const u32 slot = q % NSLOTS;
+    if (q >= NSLOTS)
+        while (!mbar_try(&empty_bar[slot], ((q / NSLOTS) - 1) & 1))
+            if (atomicAdd(&s_done, 0)) return false;
+    slot_hdr[slot][0] = ih;  // released to the consumers by the arrive below
+    slot_hdr[slot][1] = ig;
+    if (bytes == 0) { mbar_arrive(&full_bar[slot]); return true; }
+    mbar_expect_tx(&full_bar[slot], bytes);
+    if (STREAM_L2_FIRST) bulk_copy_hint(ring_slot(q), (const void*)src, bytes, &full_bar[slot], l2pol);
+    else bulk_copy(ring_slot(q), (const void*)src, bytes, &full_bar[slot]);
+    return true;
+}
+// A pool's marker at entry k of the batch ce (its template entries follow it, in ce and ne): grab
+// units and copy them, then the end marker. Each grab's successor is asked for while its unit's
+// copies go out (POOL_GRAB_AT), so the atomic's round trip is not paid between units. False: the
+// request ended.
+__device__ __forceinline__ bool produce_pool(const u32* pool_ctr, int k, const SEntry& ce, const SEntry& ne, u32& q, u64 l2pol) {
+    const int ln = threadIdx.x & 31;
+    const u32 units = __shfl_sync(0xffffffffu, ce.copy.x, k), per = __shfl_sync(0xffffffffu, ce.copy.y, k);
+    const u32 ubytes = __shfl_sync(0xffffffffu, ce.copy.z, k);
+    const int4 mh = shfl4(ce.h, k);  // (pool index, rows a unit)
+    // lane i < per: template entry i (entries k + 1 + i of this batch and the next)
+    const int j = (k + 1 + ln) & 31;
+    const bool here = k + 1 + ln < 32;
+    uint4 tc;
+    tc.x = here ? __shfl_sync(0xffffffffu, ce.copy.x, j) : __shfl_sync(0xffffffffu, ne.copy.x, j);
+    tc.y = here ? __shfl_sync(0xffffffffu, ce.copy.y, j) : __shfl_sync(0xffffffffu, ne.copy.y, j);
+    tc.z = here ? __shfl_sync(0xffffffffu, ce.copy.z, j) : __shfl_sync(0xffffffffu, ne.copy.z, j);
+    const int4 th0 = shfl4(ce.h, j), th1 = shfl4(ne.h, j), tg0 = shfl4(ce.g, j), tg1 = shfl4(ne.g, j);
+    const int4 th = here ? th0 : th1, tg = here ? tg0 : tg1;
+    u32* ctr = (u32*)pool_ctr;  // this pool's counter for this token iteration
+    u32 u = 0;
+    if (ln == 0) u = atomicAdd(ctr, 1u);
+    u = __shfl_sync(0xffffffffu, u, 0);
+    while (u < units) {
+        u32 un = 0;
+        for (u32 i = 0; i < per; ++i) {
+            if (i == POOL_GRAB_AT && ln == 0) un = atomicAdd(ctr, 1u);  // the next unit, asked for now
+            const u32 lo = __shfl_sync(0xffffffffu, tc.x, i), hi = __shfl_sync(0xffffffffu, tc.y, i);
+            const u32 bytes = __shfl_sync(0xffffffffu, tc.z, i);
+            int4 ih = shfl4(th, i);
+            const int4 ig = shfl4(tg, i);
+            ih.z += (int)(u * (u32)mh.y);  // the unit's rows
+            int ok = 1;
+            if (ln == 0) ok = put_slot(q, (((u64)hi << 32) | lo) + (u64)u * ubytes, bytes, ih, ig, l2pol);
+            if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
+            ++q;
+        }
+        if (POOL_GRAB_AT >= per && ln == 0) un = atomicAdd(ctr, 1u);
+        u = __shfl_sync(0xffffffffu, un, 0);
+    }
+    int ok = 1;
+    if (ln == 0) ok = put_slot(q, 0, 0, make_int4(0, 0, 0, 0), make_int4(0, 0, IT_END, 0), l2pol);
+    if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
+    ++q;
+    return true;
+}
+#endif
+
 // The producer warp: walk this block's stream list token after token and copy each item into the
 // next ring slot once the consumers have released it (lane 0 issues; the warp loads the list 32
 // entries at a time, one batch ahead, so no item waits on a list read). With PREFETCH, the lane
@@ -118,6 +204,10 @@ __device__ __noinline__ void produce(const Ctx& c) {
     const uint4* ent = (const uint4*)list + SE_HEAD(nb) + 3 * e0;
     u32 q = 0;
     const u64 l2pol = STREAM_L2_FIRST ? l2_evict_first_policy() : 0;
+#if DYN_POOL
+    const u32* pool_ctr = (const u32*)c.run[R_POOL];
+    const int pool_T = (int)c.run[R_CTX];
+#endif
     if (n == 0) {  // no weights to stream in this block
         while (!atomicAdd(&s_done, 0)) __nanosleep(2000);
         return;
@@ -139,6 +229,14 @@ __device__ __noinline__ void produce(const Ctx& c) {
             const u32 f = __shfl_sync(0xffffffffu, ce.copy.w, k);
             const int t = __shfl_sync(0xffffffffu, cit, k);
             if (!se_runs(f, t, c)) continue;
+#if DYN_POOL
+            if (f & SE_TEMPLATE) continue;  // copied unit by unit from the marker before it
+            if (f & SE_POOL) {  // counter [pool][token iteration]
+                if (!produce_pool(pool_ctr + (i64)__shfl_sync(0xffffffffu, ce.h.x, k) * pool_T + t, k, ce, ne, q, l2pol))
+                    goto drain;
+                continue;
+            }
+#endif
             if (ln == 1 && (f & SE_ATT_NEXT)) att_prefetch_l2(c, (int)(f >> 8) + 1, t);
             const u32 lo = __shfl_sync(0xffffffffu, ce.copy.x, k), hi = __shfl_sync(0xffffffffu, ce.copy.y, k);
             const u32 bytes = __shfl_sync(0xffffffffu, ce.copy.z, k);
