@@ -465,7 +465,8 @@ class HopperBackend(KernelBackend):
         # run parameters, prompt, stop ids, sampling scratch, host-mapped outputs
         self.d_run = self._alloc(S.NRUN * 8)
         # DYN_POOL's grab counters, [pool][token iteration]: each used once a launch, zeroed before it
-        self.d_pool = self._alloc(self.npools * self.T * 4) if self.npools else 0
+        self.pool_words = self.npools * (self.T + S.CONSTS["POOL_PAD"])  # a producer runs up to a ring past the last token
+        self.d_pool = self._alloc(self.pool_words * 4) if self.npools else 0
         self.d_prompt = self._alloc(self.T * 4)
         self.d_stops = self._alloc(256 * 4)
         # sampled decoding's memory: the grid's rounds (sample_grid.cuh), or block 0's z and p (sample.cuh)
@@ -611,7 +612,7 @@ class HopperBackend(KernelBackend):
         check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
         check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
         if self.d_pool:
-            check(drv.cuMemsetD32(self.d_pool, 0, self.npools * self.T), "cuMemsetD32(pool counters)")
+            check(drv.cuMemsetD32(self.d_pool, 0, self.pool_words), "cuMemsetD32(pool counters)")
         if self.d_acc:  # split-K accumulators: parity 0 starts at zero (each token zeroes the other for the next)
             check(drv.cuMemsetD32(self.d_acc, 0, self.acc_bytes // 4), "cuMemsetD32(split-K accumulators)")
         for name, numel in self.tagged.items():  # TAG_DOWN: every value's parity bit says "not yet written" to write 0

@@ -51,6 +51,7 @@ SLOTS = dict(
 CONSTS = dict(
     NSLOT=NSLOT, SEG_STRIDE=SEG_STRIDE,
     ST_MATVEC=1, ST_ATTN=2, ST_EW=3, ST_SAMPLE=4,
+    POOL_PAD=16,  # DYN_POOL: grab counters a pool beyond the context's positions (a producer runs up to a ring ahead)
     ATT_SUB=32,  # attention: positions per shared-memory K/V sub-chunk
     SG_ROUNDS=24,  # the grid sampler's rounds a token at most (sample_grid.cuh: 3 selects of 8 passes)
     SAMPLE_CAP=2048,  # block 0's sampler (sample.cuh radix_select): candidates listed in shared memory once that few
@@ -943,8 +944,8 @@ def _pool_items(st: Stage, nb: int, slot_bytes: int, max_rows: int, kalign: int)
             edges = [a + unit * g // ng for g in range(ng + 1)]
             its += [[dj, 0, edges[g], edges[g + 1] - edges[g], 0, D, (IT_FIRST if g == 0 else 0) | (IT_LAST if g == ng - 1 else 0), 0]
                     for g in range(ng)]
-        if ngu >= 256 or len(its) - ngu >= 256:
-            raise ValueError("stream_plan: a pool unit needs fewer than 256 items of each kind")
+        if ngu >= 256 or len(its) - ngu >= 256 or len(its) > 31:  # (31: produce_pool reads a unit's template from one batch)
+            raise ValueError("stream_plan: a pool unit needs at most 31 items")
         its[0][6] |= IT_UNIT | ngu << 8 | (len(its) - ngu) << 16
         out += its
     return out

@@ -206,7 +206,7 @@ __device__ __noinline__ void produce(const Ctx& c) {
     const u64 l2pol = STREAM_L2_FIRST ? l2_evict_first_policy() : 0;
 #if DYN_POOL
     const u32* pool_ctr = (const u32*)c.run[R_POOL];
-    const int pool_T = (int)c.run[R_CTX];
+    const int pool_T = (int)c.run[R_CTX] + POOL_PAD;  // counters a pool: every token iteration, and a ring past the last
 #endif
     if (n == 0) {  // no weights to stream in this block
         while (!atomicAdd(&s_done, 0)) __nanosleep(2000);
