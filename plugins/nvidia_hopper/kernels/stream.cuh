@@ -156,10 +156,12 @@ __device__ __forceinline__ bool produce_pool(const u32* pool_ctr, int k, const S
     // lane i < per: template entry i (entries k + 1 + i of this batch and the next)
     const int j = (k + 1 + ln) & 31;
     const bool here = k + 1 + ln < 32;
-    uint4 tc;
-    tc.x = here ? __shfl_sync(0xffffffffu, ce.copy.x, j) : __shfl_sync(0xffffffffu, ne.copy.x, j);
-    tc.y = here ? __shfl_sync(0xffffffffu, ce.copy.y, j) : __shfl_sync(0xffffffffu, ne.copy.y, j);
-    tc.z = here ? __shfl_sync(0xffffffffu, ce.copy.z, j) : __shfl_sync(0xffffffffu, ne.copy.z, j);
+    // (every lane runs every shuffle: a shuffle inside ?: runs on only the lanes that take it)
+    const uint4 c0 = make_uint4(__shfl_sync(0xffffffffu, ce.copy.x, j), __shfl_sync(0xffffffffu, ce.copy.y, j),
+                                __shfl_sync(0xffffffffu, ce.copy.z, j), 0u);
+    const uint4 c1 = make_uint4(__shfl_sync(0xffffffffu, ne.copy.x, j), __shfl_sync(0xffffffffu, ne.copy.y, j),
+                                __shfl_sync(0xffffffffu, ne.copy.z, j), 0u);
+    const uint4 tc = here ? c0 : c1;
     const int4 th0 = shfl4(ce.h, j), th1 = shfl4(ne.h, j), tg0 = shfl4(ce.g, j), tg1 = shfl4(ne.g, j);
     const int4 th = here ? th0 : th1, tg = here ? tg0 : tg1;
     u32* ctr = (u32*)pool_ctr;  // this pool's counter for this token iteration
