@@ -1532,3 +1532,24 @@ def test_splitk_pairs_receive_buffer_lies_past_the_stage_own_scratch():
     stg = S.splitk_stage_bytes(sk[0])
     assert stg == 2048 * 8 and (slot2, scratch2) == (slot0, scratch0)
     assert own <= (scratch2 - stg) // 128 * 128
+
+
+def test_tag_qkv_marks_each_layers_qkv_stage_and_attention_with_alternating_writes():
+    """schedule.tag_attention_inputs (KOG_HOPPER_TAG_QKV): on bench-2b every q/k/v stage writes q, k
+    and v with MVF_TAG_OUT and its attention stage gets AT_TAG = the same write index k | n << 16
+    (n = 26 layers: the fused RoPE ops' in-place writes do not count); nothing else is tagged. A
+    build of it compiles without spills."""
+    from kog_nvidia_hopper import schedule as S
+    prog = _bench2b_program()
+    stages = _bench2b_stages_as_loaded()
+    assert sorted(S.tag_attention_inputs(prog, stages)) == ["k", "q", "v"]
+    att = [i for i, st in enumerate(stages) if st.type == "attn"]
+    assert len(att) == 26
+    for k, i in enumerate(att):
+        pv = stages[i - 1]
+        assert pv.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_OUT"] and pv.f["MV_TAG"] == stages[i].f["AT_TAG"] == k | 26 << 16
+    tagged = {i - 1 for i in att}
+    assert not any(st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_OUT"] for i, st in enumerate(stages)
+                   if st.type == "matvec" and i not in tagged)
+    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD  # bench-2b's default build
+    _compile_clean(**dict(DEFAULT_BUILD, TAG_QKV=1))

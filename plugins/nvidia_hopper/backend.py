@@ -268,7 +268,14 @@ class HopperBackend(KernelBackend):
         # TAG_DOWN (an experiment, session 9; +0.3% in session 10, off): down_proj takes its input
         # when the values carry this write's parity, instead of after gate/up's completion count
         tagged = S.tag_pair_outputs(program, stages) if tag_down else []
-        self.tagged = {name: program.tensors[name].numel for name in tagged}  # buffer -> floats
+        # KOG_HOPPER_TAG_QKV (session 26, an experiment, off): the attention takes q / k / v when their
+        # values carry this write's parity, not after the q/k/v stage's count (attention.cuh TAG_QKV)
+        self.tag_qkv = bool(_env_int("KOG_HOPPER_TAG_QKV", 0, lo=0, hi=1))
+        tagged_qkv = S.tag_attention_inputs(program, stages) if self.tag_qkv else []
+        if self.tag_qkv and not tagged_qkv:
+            raise KogError("KOG_HOPPER_TAG_QKV=1 needs attention stages fed by a q/k/v matvec stage that alone "
+                           "writes their query, key and value (a Llama-family model): unset KOG_HOPPER_TAG_QKV")
+        self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv}  # buffer -> floats
         # sampled decoding (temperature > 0): on every block (sample_grid.cuh; default since session
         # 10) when each thread's share of the vocabulary fits its registers and the LM head leaves
         # per-block maxima; else on block 0 (sample.cuh radix_select). KOG_HOPPER_SAMPLE=block forces
@@ -399,6 +406,8 @@ class HopperBackend(KernelBackend):
             variant["LANES_LOAD"] = 1
         if tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
+        if tagged_qkv:  # TAG_QKV (an experiment, session 26)
+            variant["TAG_QKV"] = 1
         if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)
             variant["SPLITK_DOWN"] = 1
         if self.carry:  # KOG_HOPPER_SPLITK_CARRY

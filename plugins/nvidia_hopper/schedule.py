@@ -41,7 +41,7 @@ SLOTS = dict(
     # attention
     AT_L=1, AT_H=2, AT_HKV=3, AT_HD=4, AT_T=5, AT_WINDOW=6, AT_MAXCH=7, AT_SCALE=8, AT_Q=9,
     AT_KC=10, AT_VC=11, AT_OUT=12, AT_ROPE_Q=13, AT_ROPE_K=14, AT_COS=15, AT_SIN=16, AT_KNEW=17,
-    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22, AT_NOCOMBINE=23,
+    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22, AT_NOCOMBINE=23, AT_TAG=24,
     # elementwise
     EW_OP=1, EW_L=2, EW_D=3, EW_A=4, EW_B=5, EW_C=6, EW_OUT=7, EW_OUT2=8, EW_GROUP=9, EW_WL=10,
     EW_F0=11, EW_HD=12, EW_STYLE=13, EW_T=14, EW_LIN=15,
@@ -453,6 +453,46 @@ def tag_pair_outputs(P, stages) -> list[str]:
             nx.f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
             st.f["MV_TAG"] = nx.f["MV_TAG"] = k | (n << 16)
     return tagged
+
+
+def tag_attention_inputs(P, stages) -> list[str]:
+    """KOG_HOPPER_TAG_QKV (attention.cuh TAG_QKV): readiness in the data for the attention's input.
+    A q/k/v matvec stage that writes exactly the query, new key and new value the next stage (a
+    fused attention) reads stores every output with a parity in its lowest mantissa bit
+    (MVF_TAG_OUT), and the attention (AT_TAG) does not wait on the q/k/v stage's count: each tile
+    re-reads its values until they carry this write's parity. That takes the q/k/v stage's release
+    (its fence waits ~1.5 us for the ring's copies in flight), the signal and the counter's round
+    trip off the attention's chain, a wait longer than the ring. Consecutive writes of a buffer
+    alternate parity, write k of n a token: (t n + k) & 1 from k | n << 16 in MV_TAG and AT_TAG.
+    Everything else the attention reads is ordered as before: its block finished the q/k/v stage,
+    which waited on the previous layer's last stage. Returns the tagged tensors (the backend marks
+    them stale before each launch)."""
+    found = []
+    for i in range(1, len(stages)):
+        st, pv = stages[i], stages[i - 1]
+        if st.type != "attn" or pv.type != "matvec" or not st.f.get("AT_KNEW"):
+            continue
+        names = {st.f["AT_Q"][1:], st.f["AT_KNEW"][1:], st.f["AT_VNEW"][1:]}
+        if {sg["out_name"] for sg in pv.segs} != names or len(pv.segs) != 3 or any(sg["SEG_W2"] for sg in pv.segs):
+            continue
+        if any(sg.get("SEG_RES") for sg in pv.segs):
+            continue
+        found.append((pv, st, tuple(sorted(names))))
+    if not found:
+        return []
+    bufs = found[0][2]
+    if any(f[2] != bufs for f in found):  # layers share the buffers (or parities would need one count each)
+        return []
+    # the attention stages' own ops (RoPE in place, fused: they rotate in shared memory) write nothing back
+    fused = {j for st in stages if st.type == "attn" for j in st.ops}
+    writes = {len([j for j, op in enumerate(P.ops) if name in op.outputs and j not in fused]) for name in bufs}
+    if writes != {len(found)}:  # every write of each buffer must be a tagged one
+        return []
+    n = len(found)
+    for k, (pv, st, _) in enumerate(found):
+        pv.f["MV_FLAGS"] |= CONSTS["MVF_TAG_OUT"]
+        pv.f["MV_TAG"] = st.f["AT_TAG"] = k | (n << 16)
+    return list(bufs)
 
 
 ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K")

@@ -568,3 +568,28 @@ def test_pool_refuses_the_other_splitk_sums_in_one_line(monkeypatch):
     arch, prog, w = model("llama")
     with pytest.raises(KogError, match="KOG_HOPPER_POOL"):
         _backends(prog, w)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_tag_qkv_matches_reference(name, monkeypatch):
+    """KOG_HOPPER_TAG_QKV=1 (session 26): the attention takes q / k / v when their values carry this
+    write's parity instead of after the q/k/v stage's count. Logits at every position and greedy
+    tokens match the reference over several launches (the buffers are marked stale before each),
+    seeded sampling repeats, and every layer's q/k/v stage is tagged (qwen2: with biases)."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_QKV", "1")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("TAG_QKV") == 1 and sorted(hb.tagged) == ["k", "q", "v"]
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+        if name == "llama":
+            _assert_sampling_seeded_and_as_defined(hb)
+    finally:
+        hb.close()
+
+
+@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
+def test_tag_qkv_on_the_benchmark_presets(preset, monkeypatch):
+    """KOG_HOPPER_TAG_QKV=1 at the presets' own shapes: as test_benchmark_preset_matches_reference."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_QKV", "1")
+    test_benchmark_preset_matches_reference(preset)

@@ -387,12 +387,25 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         const float* qsrc = (const float*)st[AT_Q] + (i64)l * H * hd + (i64)g * GH;
         const float* ks = (const float*)st[AT_KNEW] + (i64)l * Hkv * hd + (i64)g * hd;
         const float* vs = (const float*)st[AT_VNEW] + (i64)l * Hkv * hd + (i64)g * hd;
+#if TAG_QKV
+        const bool tagged = st[AT_TAG] != 0;  // (schedule.tag_attention_inputs) each value's parity says it is this write's
+        const u32 par = tag_parity_of((u32)st[AT_TAG], c.it);
+#endif
         ATT_LOOP
         for (int i = tid; i < GH; i += NT) {
             const bool kv = own && i < hd;
-            const float qi = ldf(qsrc + i);
+            float qi = ldf(qsrc + i);
             float ki = 0.f, vi = 0.f;
             if (kv) { ki = ldf(ks + i); vi = ldf(vs + i); }
+#if TAG_QKV
+            if (tagged) {  // re-read what the q/k/v stage has not yet written (ldf is volatile: a fresh load each time)
+                while ((__float_as_uint(qi) & 1u) != par) qi = ldf(qsrc + i);
+                if (kv) {
+                    while ((__float_as_uint(ki) & 1u) != par) ki = ldf(ks + i);
+                    while ((__float_as_uint(vi) & 1u) != par) vi = ldf(vs + i);
+                }
+            }
+#endif
             q[i] = qi;
             ob[i] = 0.f;
             if (kv) { kn[i] = ki; vn[i] = rbf(vi); }

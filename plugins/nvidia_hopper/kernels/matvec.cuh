@@ -88,10 +88,16 @@ __device__ __forceinline__ float4* x_f4(float* x, int K, int i4) {
 #if TAG_DOWN && X_CPASYNC
 #error "TAG_DOWN checks the input's parity on the register path only: not with X_CPASYNC"
 #endif
-__device__ __forceinline__ u32 tag_parity(const i64* st, int it) {
-    const u32 t = (u32)st[MV_TAG];  // this write's index k | writes a token n << 16: (it n + k) & 1
-    return ((u32)it * (t >> 16) + (t & 0xffffu)) & 1u;
+__device__ __forceinline__ u32 tag_parity_of(u32 t, int it) {  // t: this write's index k | writes a token n << 16
+    return ((u32)it * (t >> 16) + (t & 0xffffu)) & 1u;        // (it n + k) & 1
 }
+__device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_parity_of((u32)st[MV_TAG], it); }
+// TAG_QKV (an experiment, off; KOG_HOPPER_TAG_QKV=1; schedule.tag_attention_inputs): the q/k/v
+// stage stores its outputs with the parity of this write (MVF_TAG_OUT, every row's epilogue), and
+// the attention after it takes them when they carry it instead of waiting on the stage's count.
+#ifndef TAG_QKV
+#define TAG_QKV 0
+#endif
 __device__ __forceinline__ float with_parity(float v, u32 p) { return __uint_as_float((__float_as_uint(v) & ~1u) | p); }
 __device__ __forceinline__ bool has_parity(float4 v, u32 p) {
     return (((__float_as_uint(v.x) ^ p) | (__float_as_uint(v.y) ^ p) | (__float_as_uint(v.z) ^ p) | (__float_as_uint(v.w) ^ p)) & 1u) == 0;
@@ -602,9 +608,12 @@ __device__ __forceinline__ float half_warp_sum(float v) {  // within each 16-lan
 // running (max, index) updated (NaN never wins; ties go to the lower index).
 __device__ __forceinline__ void mv_emit_pair(float* out, int r0, int r1, bool vb, float y0, float y1,
                                              float b0, float b1, float e0, float e1, const void* bias, const void* res,
-                                             int flags, float& best, int& bidx, i64* cout = nullptr) {
+                                             int flags, float& best, int& bidx, i64* cout = nullptr, int tagp = -1) {
     if (bias) { y0 += b0; if (vb) y1 += b1; }
     if (res) { y0 += e0; if (vb) y1 += e1; }
+#if TAG_QKV
+    if (tagp >= 0) { y0 = with_parity(y0, (u32)tagp); y1 = with_parity(y1, (u32)tagp); }  // the value says it is this write's
+#endif
     out[r0] = y0;
     if (vb) out[r1] = y1;
 #if SPLITK_CARRY
@@ -648,6 +657,11 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
 #else
     i64* cout = nullptr;
 #endif
+#endif
+#if TAG_QKV
+    const int tagp = (flags & MVF_TAG_OUT) ? (int)tag_parity(st, c.it) : -1;  // once a stage: c.it lives in local memory
+#else
+    const int tagp = -1;
 #endif
 #if DYN_POOL
     for (int j = 0; j < nitems || until_end; ++j, ++q) {  // until_end: then the pool's units, up to its end marker
@@ -738,9 +752,9 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
         }
 #if SPLITK_DOWN
         if (rpend && res) { e0 += fix2f(p0); if (vb) e1 += fix2f(p1); }  // x + acc, as the loaders add it
-        mv_emit_pair(out, r0, r1, vb, acc0, acc1, bf2f(b0), bf2f(b1), e0, e1, bias, res, flags, best, bidx, cout);
+        mv_emit_pair(out, r0, r1, vb, acc0, acc1, bf2f(b0), bf2f(b1), e0, e1, bias, res, flags, best, bidx, cout, tagp);
 #else
-        mv_emit_pair(out, r0, r1, vb, acc0, acc1, bf2f(b0), bf2f(b1), e0, e1, bias, res, flags, best, bidx);
+        mv_emit_pair(out, r0, r1, vb, acc0, acc1, bf2f(b0), bf2f(b1), e0, e1, bias, res, flags, best, bidx, nullptr, tagp);
 #endif
     }
 #ifdef TRACE
