@@ -268,11 +268,13 @@ class HopperBackend(KernelBackend):
         # TAG_DOWN (an experiment, session 9; +0.3% in session 10, off): down_proj takes its input
         # when the values carry this write's parity, instead of after gate/up's completion count
         tagged = S.tag_pair_outputs(program, stages) if tag_down else []
-        # KOG_HOPPER_TAG_QKV (session 26, an experiment, off): the attention takes q / k / v when their
-        # values carry this write's parity, not after the q/k/v stage's count (attention.cuh TAG_QKV)
-        self.tag_qkv = bool(_env_int("KOG_HOPPER_TAG_QKV", 0, lo=0, hi=1))
+        # KOG_HOPPER_TAG_QKV (v31, the default since session 26: +1.8% bench-2b, +1.6% llama-3.2-1b on an
+        # H100): the attention takes q / k / v when their values carry this write's parity, not after
+        # the q/k/v stage's count (attention.cuh TAG_QKV). Where no attention stage is fed that way
+        # (Qwen3's q/k norm, Laneformer) the default leaves it off; KOG_HOPPER_TAG_QKV=1 then says why.
+        self.tag_qkv = bool(_env_int("KOG_HOPPER_TAG_QKV", 1, lo=0, hi=1))
         tagged_qkv = S.tag_attention_inputs(program, stages) if self.tag_qkv else []
-        if self.tag_qkv and not tagged_qkv:
+        if os.environ.get("KOG_HOPPER_TAG_QKV") == "1" and not tagged_qkv:
             raise KogError("KOG_HOPPER_TAG_QKV=1 needs attention stages fed by a q/k/v matvec stage that alone "
                            "writes their query, key and value (a Llama-family model): unset KOG_HOPPER_TAG_QKV")
         self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv}  # buffer -> floats
