@@ -1030,8 +1030,7 @@ def test_sass_report_builds_the_default():
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
     shapes = dict(_bench2b_shape_consts())
     assert DEFAULT_BUILD == dict(DEFAULT, **shapes, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, PREFETCH=0,
-                                 SPLITK_DOWN=1,  # a Llama-family model's MLP (v28)
-                                 TAG_QKV=1)  # the attention's input by parity (v31)
+                                 SPLITK_DOWN=1)  # a Llama-family model's MLP (v28)
 
 
 def test_every_tuning_knob_is_documented():

@@ -52,7 +52,7 @@ DEFAULT_BUILD = dict(NT=320, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, KV_BUFS
                      INLINE_ATTENTION=1, PREFETCH=0, NORM_SMEM=1, STREAM_L2_FIRST=1,
                      NORM_RCP=1, ATT_FASTDIV=1, SAMPLE_GRID=1, SAMPLE_EPT=4, SMEM_ALIGN=128, DEFER_NORM=1, SIGNAL_BAR=1,
                      ATC_L=1, ATC_H=16, ATC_HKV=8, ATC_HD=128, ATC_T=4096, ATC_MAXCH=16,
-                     ATC_ROPE_Q=1, ATC_ROPE_K=1, SPLITK_DOWN=1, TAG_QKV=1)
+                     ATC_ROPE_Q=1, ATC_ROPE_K=1, SPLITK_DOWN=1)
 KINDS = {"LDL": re.compile(r"\bLDL(\.|\s)"), "STL": re.compile(r"\bSTL(\.|\s)"),
          "LD.E": re.compile(r"\bLD\.E"), "ST.E": re.compile(r"\bST\.E")}
 _LINE = re.compile(r'//## File ".*", line (\d+)')

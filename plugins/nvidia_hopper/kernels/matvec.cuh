@@ -98,6 +98,9 @@ __device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_pa
 #ifndef TAG_QKV
 #define TAG_QKV 0
 #endif
+#ifndef TAG_QKV_WAIT
+#define TAG_QKV_WAIT 0
+#endif
 __device__ __forceinline__ float with_parity(float v, u32 p) { return __uint_as_float((__float_as_uint(v) & ~1u) | p); }
 __device__ __forceinline__ bool has_parity(float4 v, u32 p) {
     return (((__float_as_uint(v.x) ^ p) | (__float_as_uint(v.y) ^ p) | (__float_as_uint(v.z) ^ p) | (__float_as_uint(v.w) ^ p)) & 1u) == 0;
