@@ -491,6 +491,9 @@ class HopperBackend(KernelBackend):
         self.cnt_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cnt))
         self.cancel_view = np.ctypeslib.as_array((ctypes.c_int32 * 4).from_address(self.h_cancel))
         self.pos = 0
+        # the uploads and memsets above ran in the legacy default stream, which the kernel's
+        # non-blocking stream does not wait for: finish them before any launch
+        check(drv.cuCtxSynchronize(), "cuCtxSynchronize(load)")
 
     def _splitk_accumulators(self, stages) -> tuple[int, int]:
         """The split-K stages' fixed-point accumulators (schedule.fuse_down_splitk): [2][D] int64 each,
@@ -587,10 +590,14 @@ class HopperBackend(KernelBackend):
         drv = self.drv
         P = len(prompt)
         pr = np.asarray(prompt, dtype=np.int32)
-        check(drv.cuMemcpyHtoD(self.d_prompt, pr.ctypes.data, pr.nbytes), "cuMemcpyHtoD(prompt)")
+        # Everything the launch reads goes in the kernel's own stream, ahead of it: the stream is
+        # non-blocking, so a copy or memset in the legacy default stream (cuMemcpyHtoD, cuMemsetD32)
+        # is not ordered before the kernel (pageable copies are staged before these calls return).
+        st_ = self.stream
+        check(drv.cuMemcpyHtoDAsync(self.d_prompt, pr.ctypes.data, pr.nbytes, st_), "cuMemcpyHtoDAsync(prompt)")
         stops = np.asarray(sorted(stop_ids)[:256], dtype=np.int32)
         if stops.size:
-            check(drv.cuMemcpyHtoD(self.d_stops, stops.ctypes.data, stops.nbytes), "cuMemcpyHtoD(stops)")
+            check(drv.cuMemcpyHtoDAsync(self.d_stops, stops.ctypes.data, stops.nbytes, st_), "cuMemcpyHtoDAsync(stops)")
         run = np.zeros(S.NRUN, np.int64)
         R = S.RUN
         run[R["R_PROMPT"]] = self.d_prompt
@@ -612,25 +619,25 @@ class HopperBackend(KernelBackend):
         run[R["R_SCRATCH"]] = self.d_scratch
         run[R["R_SAMPLE_SYNC"]] = self.d_sample_sync
         if self.d_sample_sync and params.temperature > 0:  # the grid sampler's counter and bins start at zero
-            check(drv.cuMemsetD32(self.d_sample_sync, 0, S.sample_grid_bytes() // 4), "cuMemsetD32(sample sync)")
+            check(drv.cuMemsetD32Async(self.d_sample_sync, 0, S.sample_grid_bytes() // 4, st_), "cuMemsetD32Async(sample sync)")
         run[R["R_SKIP"]] = skip
         run[R["R_STREAM"]] = self.d_stream
         run[R["R_BINFO"]] = self.d_binfo
         run[R["R_POOL"]] = self.d_pool
         if self.d_trace:
-            check(drv.cuMemsetD32(self.d_trace, 0, int(np.prod(self.trace_shape)) * 2), "cuMemsetD32(trace)")
+            check(drv.cuMemsetD32Async(self.d_trace, 0, int(np.prod(self.trace_shape)) * 2, st_), "cuMemsetD32Async(trace)")
             run[R["R_TRACE"]] = self.d_trace
             run[R["R_TRACE_IT0"]] = self.trace_it0
-        check(drv.cuMemcpyHtoD(self.d_run, run.ctypes.data, run.nbytes), "cuMemcpyHtoD(run)")
-        check(drv.cuMemsetD32(self.d_counters, 0, self.nst), "cuMemsetD32(counters)")
+        check(drv.cuMemcpyHtoDAsync(self.d_run, run.ctypes.data, run.nbytes, st_), "cuMemcpyHtoDAsync(run)")
+        check(drv.cuMemsetD32Async(self.d_counters, 0, self.nst, st_), "cuMemsetD32Async(counters)")
         if self.d_pool:
-            check(drv.cuMemsetD32(self.d_pool, 0, self.pool_words), "cuMemsetD32(pool counters)")
+            check(drv.cuMemsetD32Async(self.d_pool, 0, self.pool_words, st_), "cuMemsetD32Async(pool counters)")
         if self.d_acc:  # split-K accumulators: parity 0 starts at zero (each token zeroes the other for the next)
-            check(drv.cuMemsetD32(self.d_acc, 0, self.acc_bytes // 4), "cuMemsetD32(split-K accumulators)")
+            check(drv.cuMemsetD32Async(self.d_acc, 0, self.acc_bytes // 4, st_), "cuMemsetD32Async(split-K accumulators)")
         for name, numel in self.tagged.items():  # TAG_DOWN: every value's parity bit says "not yet written" to write 0
-            check(drv.cuMemsetD32(self.ptr[name], 1, numel), "cuMemsetD32(tagged)")
+            check(drv.cuMemsetD32Async(self.ptr[name], 1, numel, st_), "cuMemsetD32Async(tagged)")
         for ptr, words in self.tagged_parts:  # ATT_TAGS: tag 0 is no token's (a token's is its iteration + 1)
-            check(drv.cuMemsetD32(ptr, 0, words), "cuMemsetD32(attention partials)")
+            check(drv.cuMemsetD32Async(ptr, 0, words, st_), "cuMemsetD32Async(attention partials)")
         self.cnt_view[0] = 0
         self.cancel_view[0] = 0
         args = ((self.d_desc, self.nst, self.d_counters, self.d_run),
