@@ -1069,7 +1069,10 @@ def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray
     (_fuse_lane_residual), the fourth is the block's rows of that segment, contiguous in the
     flattened lane * N + row index: first | count << 16 (matvec.cuh lane_residual_tail).
     `stages`: (stage index, plan, segs, packed device address, MV_FLAGS[, an attention stage
-    follows]) of every matvec stage (flag bit 2 on a block's first item of such a stage)."""
+    follows]) of every matvec stage (flag bit 2 on a block's first item of such a stage).
+    A stage with a pool (pool_rows, DYN_POOL) adds to every block's list, after its own items, the
+    pool's marker (SE_POOL: units, items a unit, unit bytes; pool index, rows a unit) and unit 0's
+    entries (SE_TEMPLATE), from which the producer copies every unit it grabs."""
     per_block: list[list] = [[] for _ in range(nb)]
     binfo = np.zeros((nst, nb, 4), np.int32)
     npools = 0
