@@ -1553,3 +1553,41 @@ def test_tag_qkv_marks_each_layers_qkv_stage_and_attention_with_alternating_writ
                    if st.type == "matvec" and i not in tagged)
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD  # bench-2b's default build
     _compile_clean(**dict(DEFAULT_BUILD, TAG_QKV=1))
+
+
+def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
+    """HopperBackend._launch with a recording driver: the prompt, stop ids, run parameters and every
+    memset (counters, split-K accumulators, pool counters, tagged buffers' stale marks) are issued as
+    ...Async calls in the kernel's own stream, before the launch. The stream is non-blocking, so a
+    legacy-stream cuMemsetD32 / cuMemcpyHtoD would not be ordered before the kernel (session 26)."""
+    import numpy as np
+    from kog_core.interfaces import SamplingParams
+    from kog_nvidia_hopper.backend import HopperBackend
+
+    calls = []
+
+    class Driver:
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append((name, args))
+                return (0,)
+            return call
+
+    hb = HopperBackend.__new__(HopperBackend)
+    stream = object()
+    hb.drv, hb.stream, hb.fn, hb.pairs = Driver(), stream, object(), False
+    hb.nb, hb.nthreads, hb.smem, hb.nst, hb.T = 132, 384, 200_000, 7, 64
+    for name in ("d_prompt", "d_stops", "d_out", "d_cnt", "d_cancel", "d_scratch", "d_stream", "d_binfo",
+                 "d_desc", "d_counters", "d_run", "d_acc", "d_pool"):
+        setattr(hb, name, 4096)
+    hb.d_trace = hb.d_sample_sync = 0
+    hb.acc_bytes, hb.pool_words = 1024, 128
+    hb.ptr, hb.tagged, hb.tagged_parts = {"q": 8192}, {"q": 16}, [(12288, 32)]
+    hb.cnt_view, hb.cancel_view = np.zeros(4, np.int32), np.zeros(4, np.int32)
+    hb._launch([1, 2, 3], 0, 8, SamplingParams(), stop_ids=(2,))
+    names = [n for n, _ in calls]
+    assert names[-1] == "cuLaunchCooperativeKernel" and calls[-1][1][-2] is stream
+    writes = [(n, a) for n, a in calls[:-1] if n.startswith(("cuMemset", "cuMemcpy"))]
+    assert {n for n, _ in writes} == {"cuMemcpyHtoDAsync", "cuMemsetD32Async"}
+    assert all(a[-1] is stream for _, a in writes)
+    assert sum(n == "cuMemsetD32Async" for n, _ in writes) == 5  # counters, accumulators, pool, tagged, parts
