@@ -1591,3 +1591,26 @@ def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
     assert {n for n, _ in writes} == {"cuMemcpyHtoDAsync", "cuMemsetD32Async"}
     assert all(a[-1] is stream for _, a in writes)
     assert sum(n == "cuMemsetD32Async" for n, _ in writes) == 5  # counters, accumulators, pool, tagged, parts
+
+
+def test_tag_oproj_marks_each_attention_output_and_its_o_proj():
+    """schedule.tag_attention_outputs (KOG_HOPPER_TAG_OPROJ): on bench-2b each attention stage gets
+    AT_OTAG = write k | 26 << 16 and the o_proj after it MVF_TAG_IN with the same MV_TAG (its loader
+    polls the parity; decode.cu then waits on the stage before the attention); with the loader
+    combine (the attention does not write the output) nothing is tagged. Builds with it, alone and
+    with TAG_QKV, compile without spills."""
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
+    prog = _bench2b_program()
+    stages = _bench2b_stages_as_loaded()
+    assert S.tag_attention_outputs(prog, stages) == ["att"]
+    att = [i for i, st in enumerate(stages) if st.type == "attn"]
+    for k, i in enumerate(att):
+        nx = stages[i + 1]
+        assert nx.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"] and nx.f["MV_TAG"] == stages[i].f["AT_OTAG"] == k | 26 << 16
+    assert sum(bool(st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_IN"]) for st in stages) == 26
+    loader = _bench2b_stages_as_loaded()
+    S.fuse_attention_combine(prog, loader)
+    assert S.tag_attention_outputs(prog, loader) == []
+    _compile_clean(**dict(DEFAULT_BUILD, TAG_OPROJ=1))
+    _compile_clean(**dict(DEFAULT_BUILD, TAG_OPROJ=1, TAG_QKV=1))

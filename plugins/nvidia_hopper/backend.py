@@ -278,7 +278,17 @@ class HopperBackend(KernelBackend):
         if os.environ.get("KOG_HOPPER_TAG_QKV") == "1" and not tagged_qkv:
             raise KogError("KOG_HOPPER_TAG_QKV=1 needs attention stages fed by a q/k/v matvec stage that alone "
                            "writes their query, key and value (a Llama-family model): unset KOG_HOPPER_TAG_QKV")
-        self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv}  # buffer -> floats
+        # KOG_HOPPER_TAG_OPROJ (session 26, an experiment, off; not yet run on a GPU): o_proj takes the
+        # attention's output when its values carry this write's parity, not after the attention's
+        # count (schedule.tag_attention_outputs, matvec.cuh TAG_OPROJ)
+        tag_oproj = bool(_env_int("KOG_HOPPER_TAG_OPROJ", 0, lo=0, hi=1))
+        if tag_oproj and x_cpasync:
+            raise KogError("KOG_HOPPER_TAG_OPROJ=1 polls o_proj's input on the register path: unset KOG_HOPPER_X_CPASYNC")
+        tagged_out = S.tag_attention_outputs(program, stages) if tag_oproj else []
+        if tag_oproj and not tagged_out:
+            raise KogError("KOG_HOPPER_TAG_OPROJ=1 needs attention stages that combine their chunks and feed o_proj "
+                           "alone (not KOG_HOPPER_ATTN_COMBINE=loader): unset KOG_HOPPER_TAG_OPROJ")
+        self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv + tagged_out}  # buffer -> floats
         # sampled decoding (temperature > 0): on every block (sample_grid.cuh; default since session
         # 10) when each thread's share of the vocabulary fits its registers and the LM head leaves
         # per-block maxima; else on block 0 (sample.cuh radix_select). KOG_HOPPER_SAMPLE=block forces
@@ -411,6 +421,8 @@ class HopperBackend(KernelBackend):
             variant["TAG_DOWN"] = 1
         if tagged_qkv:  # TAG_QKV (an experiment, session 26)
             variant["TAG_QKV"] = 1
+        if tagged_out:  # TAG_OPROJ (an experiment, session 26)
+            variant["TAG_OPROJ"] = 1
         if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)
             variant["SPLITK_DOWN"] = 1
         if self.carry:  # KOG_HOPPER_SPLITK_CARRY

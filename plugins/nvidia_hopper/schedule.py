@@ -41,7 +41,7 @@ SLOTS = dict(
     # attention
     AT_L=1, AT_H=2, AT_HKV=3, AT_HD=4, AT_T=5, AT_WINDOW=6, AT_MAXCH=7, AT_SCALE=8, AT_Q=9,
     AT_KC=10, AT_VC=11, AT_OUT=12, AT_ROPE_Q=13, AT_ROPE_K=14, AT_COS=15, AT_SIN=16, AT_KNEW=17,
-    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22, AT_NOCOMBINE=23, AT_TAG=24,
+    AT_VNEW=18, AT_PART_O=19, AT_PART_ML=20, AT_TICKET=21, AT_TARGET=22, AT_NOCOMBINE=23, AT_TAG=24, AT_OTAG=25,
     # elementwise
     EW_OP=1, EW_L=2, EW_D=3, EW_A=4, EW_B=5, EW_C=6, EW_OUT=7, EW_OUT2=8, EW_GROUP=9, EW_WL=10,
     EW_F0=11, EW_HD=12, EW_STYLE=13, EW_T=14, EW_LIN=15,
@@ -493,6 +493,42 @@ def tag_attention_inputs(P, stages) -> list[str]:
         pv.f["MV_FLAGS"] |= CONSTS["MVF_TAG_OUT"]
         pv.f["MV_TAG"] = st.f["AT_TAG"] = k | (n << 16)
     return list(bufs)
+
+
+def tag_attention_outputs(P, stages) -> list[str]:
+    """KOG_HOPPER_TAG_OPROJ (attention.cuh / matvec.cuh TAG_OPROJ): readiness in the data for
+    o_proj's input. An attention stage that combines its chunks itself and whose output only the
+    next stage (a matvec taking it as its plain input row: o_proj) reads stores every output value
+    with this write's parity (AT_OTAG); o_proj (MVF_TAG_IN, as TAG_DOWN's down_proj) waits on the
+    stage before the attention instead of the attention itself and re-reads its row until every
+    value carries the parity. That takes the attention's release (signal warp, fence) and o_proj's
+    wait off the attention's chain. What o_proj writes (x) the q/k/v stage's loaders read: the wait
+    on the q/k/v stage's count orders that; the stage after o_proj waits on o_proj's count, and a
+    block finishes o_proj after its own attention stage, so the linear chain holds from there on.
+    Returns the tagged tensors (the backend marks them stale before each launch)."""
+    found = []
+    for i in range(1, len(stages) - 1):
+        at, nx = stages[i], stages[i + 1]
+        if at.type != "attn" or nx.type != "matvec" or at.f.get("AT_NOCOMBINE"):
+            continue
+        out = at.f["AT_OUT"][1:]
+        if nx.f.get("MV_IN") != "@" + out or nx.f.get("MV_IN_MODE") != 0:
+            continue
+        writer = max(j for j in at.ops if out in P.ops[j].outputs)
+        readers = _readers(P.ops, writer, out)
+        if not readers or not set(readers) <= set(nx.ops):
+            continue
+        found.append((at, nx, out))
+    if not found or len({o for *_, o in found}) != 1:
+        return []
+    out = found[0][2]
+    n = len([j for j, op in enumerate(P.ops) if out in op.outputs])
+    if n != len(found):  # every write of the buffer must be a tagged one, or parities would not alternate
+        return []
+    for k, (at, nx, _) in enumerate(found):
+        nx.f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
+        nx.f["MV_TAG"] = at.f["AT_OTAG"] = k | (n << 16)
+    return [out]
 
 
 ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K")

@@ -593,3 +593,32 @@ def test_tag_qkv_on_the_benchmark_presets(preset, monkeypatch):
     """KOG_HOPPER_TAG_QKV=1 at the presets' own shapes: as test_benchmark_preset_matches_reference."""
     monkeypatch.setenv("KOG_HOPPER_TAG_QKV", "1")
     test_benchmark_preset_matches_reference(preset)
+
+
+@pytest.mark.parametrize("both", [False, True])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_tag_oproj_matches_reference(name, both, monkeypatch):
+    """KOG_HOPPER_TAG_OPROJ=1 (session 26): o_proj takes the attention's output when its values carry
+    this write's parity instead of after the attention's count (both: with KOG_HOPPER_TAG_QKV=1 too,
+    so neither end of the attention waits on a count). Logits at every position and greedy tokens
+    match the reference over several launches, seeded sampling repeats."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_OPROJ", "1")
+    if both:
+        monkeypatch.setenv("KOG_HOPPER_TAG_QKV", "1")
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("TAG_OPROJ") == 1 and "att" in hb.tagged
+        assert hb.variant.get("TAG_QKV", 0) == int(both)
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+        if name == "llama":
+            _assert_sampling_seeded_and_as_defined(hb)
+    finally:
+        hb.close()
+
+
+@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
+def test_tag_oproj_on_the_benchmark_presets(preset, monkeypatch):
+    """KOG_HOPPER_TAG_OPROJ=1 at the presets' own shapes: as test_benchmark_preset_matches_reference."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_OPROJ", "1")
+    test_benchmark_preset_matches_reference(preset)

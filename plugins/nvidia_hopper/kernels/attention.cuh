@@ -39,6 +39,14 @@
 #ifndef ATT_TAG_BATCH
 #define ATT_TAG_BATCH 4  // 16-byte loads (two tagged words) a thread has in flight per pass; 0: none
 #endif               // (every o polled in the combine's loop, the path of groups too wide for the scratch)
+// An attention output value as stored: with TAG_OPROJ and AT_OTAG set, carrying this write's
+// parity in its lowest mantissa bit (o_proj polls for it: schedule.tag_attention_outputs)
+__device__ __forceinline__ float att_out_tagged(const i64* st, int it, float v) {
+#if TAG_OPROJ
+    if (st[AT_OTAG]) return with_parity(v, tag_parity_of((u32)st[AT_OTAG], it));
+#endif
+    return v;
+}
 __device__ __forceinline__ void st_tagged(u64* p, float v, u32 tag) {
     asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" :: "l"(p), "l"(((u64)tag << 32) | __float_as_uint(v)) : "memory");
 }
@@ -320,7 +328,7 @@ __device__ __forceinline__ void att_combine_tagged(const Ctx& c, int l, int g, i
             num = fmaf(w, o, num);
             den = fmaf(w, mls[(k * G + gi) * 2 + 1], den);
         }
-        ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = num / den;
+        ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = att_out_tagged(st, c.it, num / den);
     }
 }
 #endif
@@ -557,7 +565,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         for (int i = tid; i < GH; i += NT) {
             const int gi = i / hd, d = i - gi * hd, h = g * G + gi;
             if (nch == 1 && combine) {
-                ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = ob[i] / s_l[gi];
+                ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = att_out_tagged(st, c.it, ob[i] / s_l[gi]);
             } else if (ATT_TAGS && combine) {
 #if ATT_TAGS
                 if (ch != nch - 1) {  // the combining tile keeps its own in shared memory
@@ -645,7 +653,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
                         num = fmaf(w, batch ? osm[k * GH + i] : __ldcg(po + (i64)k * hd), num);
                         den = fmaf(w, ml[2 * k + 1], den);
                     }
-                    ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = num / den;
+                    ((float*)st[AT_OUT])[(i64)l * H * hd + (i64)h * hd + d] = att_out_tagged(st, c.it, num / den);
                 }
             }
         }

@@ -101,6 +101,17 @@ __device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_pa
 #ifndef TAG_QKV_WAIT
 #define TAG_QKV_WAIT 0
 #endif
+// TAG_OPROJ (an experiment, off; KOG_HOPPER_TAG_OPROJ=1; schedule.tag_attention_outputs): the
+// attention stores its output with this write's parity (AT_OTAG) and o_proj takes its input row as
+// TAG_DOWN's down_proj does (MVF_TAG_IN: waits on the stage before the attention, then re-reads
+// what does not carry the parity yet)
+#ifndef TAG_OPROJ
+#define TAG_OPROJ 0
+#endif
+#define TAG_IN (TAG_DOWN || TAG_OPROJ)  // some matvec stage may take a tagged input row
+#if TAG_OPROJ && X_CPASYNC
+#error "TAG_OPROJ checks the input's parity on the register path only: not with X_CPASYNC"
+#endif
 __device__ __forceinline__ float with_parity(float v, u32 p) { return __uint_as_float((__float_as_uint(v) & ~1u) | p); }
 __device__ __forceinline__ bool has_parity(float4 v, u32 p) {
     return (((__float_as_uint(v.x) ^ p) | (__float_as_uint(v.y) ^ p) | (__float_as_uint(v.z) ^ p) | (__float_as_uint(v.w) ^ p)) & 1u) == 0;
@@ -284,7 +295,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
     const u16* nw = (const u16*)st[MV_NORM_W] + lane * st[MV_NORM_WL];
     const int tid = threadIdx.x;
     // (not in the benchmark's no-wait mode, bit 6: blocks drift apart, a later write could hide this one)
-    const bool tagged = TAG_DOWN && ((int)st[MV_FLAGS] & MVF_TAG_IN) && !((c.skipmask >> 6) & 1);
+    const bool tagged = TAG_IN && ((int)st[MV_FLAGS] & MVF_TAG_IN) && !((c.skipmask >> 6) & 1);
     const u32 par = tagged ? tag_parity(st, c.it) : 0u;
     float ss = 0.f;
     if (X_CPASYNC && !(mode & IN_EMBED)) {
@@ -357,7 +368,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             }
         }
     }
-    if (TAG_DOWN && tagged) {  // TAG_DOWN: re-read this thread's stale float4s (a plain input: no norm sum)
+    if (TAG_IN && tagged) {  // TAG_DOWN / TAG_OPROJ: re-read this thread's stale float4s (a plain input: no norm sum)
         // (one float4 at a time: re-reading a whole batch in flight each round measured 0.9% slower
         // than the default in session 11, where this version was +0.3% in session 10: the rounds'
         // re-reads of the whole row load L2 while the rings stream)
@@ -973,7 +984,7 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
     const int nload = (c.skipmask >> 7) & 1 ? 0 : nl;  // benchmark bit 7: no input loads (garbage x)
 #if LANES_LOAD
     // several lanes' rows in one batch (plain or deferred-norm input that fits XV float4s a thread)
-    const bool one_batch = nl > 1 && nl * K4 <= XV * NT && (K4 & 31) == 0 && !TAG_DOWN && !X_CPASYNC
+    const bool one_batch = nl > 1 && nl * K4 <= XV * NT && (K4 & 31) == 0 && !TAG_IN && !X_CPASYNC
                            && !(mode & (IN_ATTN | IN_EMBED)) && (DEFER_NORM || !(mode & IN_NORM));
     if (one_batch && nload) mv_load_x_lanes(c, nl, xs, nws);
     else
