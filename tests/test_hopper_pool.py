@@ -7,10 +7,11 @@ import pytest
 
 from kog_nvidia_hopper import schedule as S
 
+from test_hopper_compile import _plan_stage  # tests/ is on the path (rootdir import)
+
 
 def _stage(K, segs, pct, unit, min_rows=1, splitk_d=0):
-    st = S.Stage("matvec", dict(MV_K=K))
-    st.segs = [dict(SEG_N=n, SEG_W2=1 if pair else 0, lanes=1) for n, pair in segs]
+    st = _plan_stage(K, segs)
     if splitk_d:  # a split-K stage's down_proj transpose: rows = gate/up rows, D columns
         st.segs.append(dict(SEG_N=splitk_d, SEG_W2=0, lanes=1, _splitk=True))
     st.f.update(_pool_pct=pct, _pool_rows=unit, _pool_min=min_rows)
@@ -87,7 +88,7 @@ def test_stream_list_puts_the_pool_marker_and_template_after_each_blocks_items()
     plans = [S.stream_plan(st, nb, 12, 2048)[0] for st in (a, b)]
     bases = [1 << 33, (1 << 34) + 4096]
     stages = [(0, plans[0], a.segs, bases[0], 0), (2, plans[1], b.segs, bases[1], 2 | 1)]
-    assert S.pool_count({0: plans[0], 2: plans[1]}, nb) == 2
+    assert all(S.pool_layout(plan, nb) for plan in plans)
     lst, binfo = S.stream_list(stages, nb, 4)
     head = ((nb + 4) >> 2) * 4
     offs = lst[:nb + 1]

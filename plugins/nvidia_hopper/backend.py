@@ -271,8 +271,8 @@ class HopperBackend(KernelBackend):
         # KOG_HOPPER_TAG_QKV (session 26, an experiment, off): the attention takes q / k / v when their
         # values carry this write's parity, not after the q/k/v stage's count (attention.cuh TAG_QKV).
         # +1.8% bench-2b, +1.6% llama-3.2-1b on an H100, but with it on by default 13 GPU tests failed
-        # (every model whose blocks take several q/k/v row groups): not to be trusted until they pass
-        # (perf notes, session 26). Where no attention stage is fed that way it stays off; =1 says why.
+        # (preset shapes, Laneformer's LANES_LOAD; perhaps the launch's stream race fixed since): not
+        # to be trusted until they pass (perf notes, session 26). Where no attention stage is fed that way it stays off; =1 says why.
         self.tag_qkv = bool(_env_int("KOG_HOPPER_TAG_QKV", 0, lo=0, hi=1))
         tagged_qkv = S.tag_attention_inputs(program, stages) if self.tag_qkv else []
         if os.environ.get("KOG_HOPPER_TAG_QKV") == "1" and not tagged_qkv:
@@ -337,10 +337,10 @@ class HopperBackend(KernelBackend):
                 st.f["_pool_pct"], st.f["_pool_min"] = pool_pct, pool_min
                 st.f["_pool_rows"] = pool_unit if st.f.get("_splitk") else 2 * self.nw
         slot_bytes, plans, scratch = self._ring_slots(stages, item_rows, wide, max_slots)
-        self.npools = S.pool_count(plans, self.nb)
-        for si, plan in plans.items():
-            if S.pool_layout(plan, self.nb):
-                stages[si].f["MV_FLAGS"] = int(stages[si].f["MV_FLAGS"]) | S.CONSTS["MVF_POOL"]
+        pooled = [si for si, plan in plans.items() if S.pool_layout(plan, self.nb)]
+        self.npools = len(pooled)  # each has one grab counter a token iteration (R_POOL)
+        for si in pooled:
+            stages[si].f["MV_FLAGS"] = int(stages[si].f["MV_FLAGS"]) | S.CONSTS["MVF_POOL"]
         self.d_acc, self.acc_bytes = self._splitk_accumulators(stages)
         streamed = []
         for si, st in enumerate(stages):
@@ -439,7 +439,7 @@ class HopperBackend(KernelBackend):
             variant.update(SPLITK_BULK=1, SPLITK_STAGE_OFF=(scratch - stg) // 128 * 128)
         if self.npools:  # DYN_POOL; a split-K stage's partials (D floats) at the end of the stage scratch
             variant["DYN_POOL"] = 1
-            pacc = max([S.splitk_stage_bytes(st) // 2 for st in stages if st.f.get("_splitk")], default=0)
+            pacc = max([S.pool_partials_bytes(st) for st in stages if st.f.get("_splitk")], default=0)
             if pacc:
                 variant["POOL_ACC_OFF"] = (scratch - pacc) // 16 * 16
         if self.sample_grid:
@@ -550,7 +550,7 @@ class HopperBackend(KernelBackend):
                 if getattr(self, "splitk_bulk", False):  # or for the bulk reduction's source (SPLITK_STAGE_OFF)
                     stages[si].smem += S.splitk_stage_bytes(stages[si]) + 128
                 if S.pool_rows(stages[si], self.nb):  # or for the partials of a pooled stage (POOL_ACC_OFF)
-                    stages[si].smem += S.splitk_stage_bytes(stages[si]) // 2 + 16
+                    stages[si].smem += S.pool_partials_bytes(stages[si]) + 16
         scratch = (max([4096] + [st.smem for st in stages]) + 127) // 128 * 128
         slot_bytes = _env_int("KOG_HOPPER_SLOT_KB", 32) * 1024
         if os.environ.get("KOG_HOPPER_SLOT_KB") is None:

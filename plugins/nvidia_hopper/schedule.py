@@ -792,6 +792,11 @@ def splitk_stage_bytes(st: "Stage") -> int:
     return int(st.f["MV_ACC_D"]) * 8
 
 
+def pool_partials_bytes(st: "Stage") -> int:
+    """DYN_POOL: a split-K stage's down partials in shared memory, D floats (matvec.cuh POOL_ACC_OFF)."""
+    return int(st.f["MV_ACC_D"]) * 4
+
+
 def splitk_rows(st: "Stage", nb: int) -> int:
     """The most gate/up rows one block of a split-K stage takes (its SwiGLU values in shared memory)."""
     pool = pool_rows(st, nb)
@@ -1086,10 +1091,6 @@ SE_WORDS = 12  # uint32 per stream-list entry (stream.cuh produce)
 SE_POOL, SE_TEMPLATE = 8, 16  # entry flags (stream.cuh): a pool's marker (units, items a unit, unit bytes,
                               # flags; pool index, rows a unit), and its template entries (unit 0's)
 
-
-def pool_count(plans: dict, nb: int) -> int:
-    """Stages with a pool (each has one grab counter a token iteration, R_POOL)."""
-    return sum(1 for plan in plans.values() if pool_layout(plan, nb))
 
 
 def stream_list(stages: list, nb: int, nst: int) -> tuple[np.ndarray, np.ndarray]:

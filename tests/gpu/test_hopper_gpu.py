@@ -298,6 +298,23 @@ def test_tag_down_matches_reference(name, monkeypatch):
         hb.close()
 
 
+def _matches_reference_with(name, monkeypatch, settings: dict, check_build):
+    """A small model under KOG_HOPPER_* `settings`: check_build(hb, prog) on the loaded build, then
+    logits at every position and greedy tokens against the reference over several launches, and
+    (llama) seeded sampling twice equal and as defined."""
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+    arch, prog, w = model(name)
+    ref, hb = _backends(prog, w)
+    try:
+        check_build(hb, prog)
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
+        if name == "llama":
+            _assert_sampling_seeded_and_as_defined(hb)
+    finally:
+        hb.close()
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
 def test_splitk_down_matches_reference(name, monkeypatch):
     """KOG_HOPPER_SPLITK_DOWN=1 (session 19; the default since session 20): gate/up and down_proj in one stage,
@@ -307,16 +324,9 @@ def test_splitk_down_matches_reference(name, monkeypatch):
     and every layer's MLP is fused (one stage fewer a layer)."""
     if name not in SMALL:
         pytest.skip(f"no small model {name!r}")
-    monkeypatch.setenv("KOG_HOPPER_SPLITK_DOWN", "1")
-    arch, prog, w = model(name)
-    ref, hb = _backends(prog, w)
-    try:
+    def check(hb, prog):
         assert hb.variant.get("SPLITK_DOWN") == 1 and hb.splitk == prog.n_layers
-        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
-        if name == "llama":
-            _assert_sampling_seeded_and_as_defined(hb)
-    finally:
-        hb.close()
+    _matches_reference_with(name, monkeypatch, {"KOG_HOPPER_SPLITK_DOWN": "1"}, check)
 
 
 @pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
@@ -372,16 +382,9 @@ def test_splitk_carry_matches_reference(name, monkeypatch):
     its output in fixed point there too) and the pending x's readers take it alone. Logits at every
     position and greedy tokens match the reference (several launches: each token's o_proj restores
     the accumulator, which nothing zeroes), and seeded sampling repeats."""
-    monkeypatch.setenv("KOG_HOPPER_SPLITK_CARRY", "1")
-    arch, prog, w = model(name)
-    ref, hb = _backends(prog, w)
-    try:
+    def check(hb, prog):
         assert hb.variant.get("SPLITK_CARRY") == 1 and hb.carry and hb.splitk == prog.n_layers
-        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
-        if name == "llama":
-            _assert_sampling_seeded_and_as_defined(hb)
-    finally:
-        hb.close()
+    _matches_reference_with(name, monkeypatch, {"KOG_HOPPER_SPLITK_CARRY": "1"}, check)
 
 
 @pytest.mark.parametrize("form", ["PAIRS", "BULK", "CARRY", "PERM"])
@@ -537,18 +540,10 @@ def test_pool_matches_reference(name, monkeypatch):
     tokens match the reference over several launches (each starts its grab counters at zero),
     seeded sampling repeats (which block adds a split-K unit's partial does not change the exact
     sum; an LM head row's dot product is one warp's wherever it runs), and the pools exist."""
-    monkeypatch.setenv("KOG_HOPPER_POOL", "20")
-    monkeypatch.setenv("KOG_HOPPER_POOL_ROWS", "3")
-    monkeypatch.setenv("KOG_HOPPER_POOL_MIN_ROWS", "1")
-    arch, prog, w = model(name)
-    ref, hb = _backends(prog, w)
-    try:
+    def check(hb, prog):
         assert hb.variant.get("DYN_POOL") == 1 and hb.npools >= 1
-        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
-        if name == "llama":
-            _assert_sampling_seeded_and_as_defined(hb)
-    finally:
-        hb.close()
+    _matches_reference_with(name, monkeypatch, {"KOG_HOPPER_POOL": "20", "KOG_HOPPER_POOL_ROWS": "3",
+                                                "KOG_HOPPER_POOL_MIN_ROWS": "1"}, check)
 
 
 @pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
@@ -576,16 +571,9 @@ def test_tag_qkv_matches_reference(name, monkeypatch):
     write's parity instead of after the q/k/v stage's count. Logits at every position and greedy
     tokens match the reference over several launches (the buffers are marked stale before each),
     seeded sampling repeats, and every layer's q/k/v stage is tagged (qwen2: with biases)."""
-    monkeypatch.setenv("KOG_HOPPER_TAG_QKV", "1")
-    arch, prog, w = model(name)
-    ref, hb = _backends(prog, w)
-    try:
+    def check(hb, prog):
         assert hb.variant.get("TAG_QKV") == 1 and sorted(hb.tagged) == ["k", "q", "v"]
-        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
-        if name == "llama":
-            _assert_sampling_seeded_and_as_defined(hb)
-    finally:
-        hb.close()
+    _matches_reference_with(name, monkeypatch, {"KOG_HOPPER_TAG_QKV": "1"}, check)
 
 
 @pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
@@ -602,19 +590,11 @@ def test_tag_oproj_matches_reference(name, both, monkeypatch):
     this write's parity instead of after the attention's count (both: with KOG_HOPPER_TAG_QKV=1 too,
     so neither end of the attention waits on a count). Logits at every position and greedy tokens
     match the reference over several launches, seeded sampling repeats."""
-    monkeypatch.setenv("KOG_HOPPER_TAG_OPROJ", "1")
-    if both:
-        monkeypatch.setenv("KOG_HOPPER_TAG_QKV", "1")
-    arch, prog, w = model(name)
-    ref, hb = _backends(prog, w)
-    try:
+    def check(hb, prog):
         assert hb.variant.get("TAG_OPROJ") == 1 and "att" in hb.tagged
         assert hb.variant.get("TAG_QKV", 0) == int(both)
-        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=6, max_tokens=64)
-        if name == "llama":
-            _assert_sampling_seeded_and_as_defined(hb)
-    finally:
-        hb.close()
+    settings = {"KOG_HOPPER_TAG_OPROJ": "1", **({"KOG_HOPPER_TAG_QKV": "1"} if both else {})}
+    _matches_reference_with(name, monkeypatch, settings, check)
 
 
 @pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])

@@ -783,15 +783,10 @@ __device__ __forceinline__ void axpy8(uint4 w, float s, float* a) {  // a[0..7] 
     a[4] = fmaf(s, bf_lo(w.z), a[4]); a[5] = fmaf(s, bf_hi(w.z), a[5]);
     a[6] = fmaf(s, bf_lo(w.w), a[6]); a[7] = fmaf(s, bf_hi(w.w), a[7]);
 }
-// A split-K stage's down_proj items (after its gate/up items): an item is `rows` rows of W_d^T
-// (down_proj's columns j = row0 ..), each D wide; thread t keeps outputs 8t .. 8t + 7 and
-// 8 (t + NT) .. (D <= 16 NT), adding h[j] W_d[:, j] row after row in the block's order, then adds
-// them to this token's accumulator in fixed point (the sum is exact, so the order of blocks is not
-// seen). The reads of a row are 16 bytes a thread, consecutive: conflict-free.
-__device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int nitems, const float* hrow,
-                                              float* xs) {
+// The down items' loop (mv_down_items, DYN_POOL's mv_down_accumulate): a0 / a1 from zero, each item's
+// rows added in order; returns n8 = D / 8 (0 without items)
+__device__ __forceinline__ int mv_down_loop(u32& q, int nitems, const float* hrow, float (&a0)[8], float (&a1)[8]) {
     const int tid = threadIdx.x;
-    float a0[8], a1[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) { a0[e] = 0.f; a1[e] = 0.f; }
     int n8 = 0;
@@ -810,6 +805,18 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
         }
         mbar_arrive(&empty_bar[slot]);
     }
+    return n8;
+}
+// A split-K stage's down_proj items (after its gate/up items): an item is `rows` rows of W_d^T
+// (down_proj's columns j = row0 ..), each D wide; thread t keeps outputs 8t .. 8t + 7 and
+// 8 (t + NT) .. (D <= 16 NT), adding h[j] W_d[:, j] row after row in the block's order, then adds
+// them to this token's accumulator in fixed point (the sum is exact, so the order of blocks is not
+// seen). The reads of a row are 16 bytes a thread, consecutive: conflict-free.
+__device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int nitems, const float* hrow,
+                                              float* xs) {
+    const int tid = threadIdx.x;
+    float a0[8], a1[8];
+    int n8 = mv_down_loop(q, nitems, hrow, a0, a1);
     i64* acc = (i64*)acc_of(st, MV_ACC, c.it);
     // through shared memory (the x row's, unread since the gate/up items), so that a warp's atomics
     // cover 256 consecutive bytes, 8 L2 sectors: a lane's own 8 outputs, one sector a lane, measured
@@ -881,24 +888,7 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
 __device__ __forceinline__ void mv_down_accumulate(u32& q, int nitems, const float* hrow, float* pacc) {
     const int tid = threadIdx.x;
     float a0[8], a1[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) { a0[e] = 0.f; a1[e] = 0.f; }
-    int n8 = 0;
-    for (int j = 0; j < nitems; ++j, ++q) {
-        const u32 slot = q % NSLOTS;
-        mbar_wait(&full_bar[slot], (q / NSLOTS) & 1);
-        const int4 h = slot_hdr[slot][0], g = slot_hdr[slot][1];
-        n8 = g.y >> 3;
-        const uint4* w = (const uint4*)ring_slot(q);
-        const float* hv = hrow + h.z;
-#pragma unroll 1
-        for (int r = 0; r < h.w; ++r) {
-            const float s = hv[r];
-            if (tid < n8) axpy8(w[r * n8 + tid], s, a0);
-            if (tid + NT < n8) axpy8(w[r * n8 + tid + NT], s, a1);
-        }
-        mbar_arrive(&empty_bar[slot]);
-    }
+    const int n8 = mv_down_loop(q, nitems, hrow, a0, a1);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const int g = tid + u * NT;

@@ -152,7 +152,7 @@ __device__ __forceinline__ bool produce_pool(const u32* pool_ctr, int k, const S
     const int ln = threadIdx.x & 31;
     const u32 units = __shfl_sync(0xffffffffu, ce.copy.x, k), per = __shfl_sync(0xffffffffu, ce.copy.y, k);
     const u32 ubytes = __shfl_sync(0xffffffffu, ce.copy.z, k);
-    const int4 mh = shfl4(ce.h, k);  // (pool index, rows a unit)
+    const u32 urows = (u32)__shfl_sync(0xffffffffu, ce.h.y, k);  // rows a unit (h.x, the pool index, picked the counter)
     // lane i < per: template entry i (entries k + 1 + i of this batch and the next)
     const int j = (k + 1 + ln) & 31;
     const bool here = k + 1 + ln < 32;
@@ -176,7 +176,7 @@ __device__ __forceinline__ bool produce_pool(const u32* pool_ctr, int k, const S
             const u32 bytes = __shfl_sync(0xffffffffu, tc.z, i);
             int4 ih = shfl4(th, i);
             const int4 ig = shfl4(tg, i);
-            ih.z += (int)(u * (u32)mh.y);  // the unit's rows
+            ih.z += (int)(u * urows);  // the unit's rows
             int ok = 1;
             if (ln == 0) ok = put_slot(q, (((u64)hi << 32) | lo) + (u64)u * ubytes, bytes, ih, ig, l2pol);
             if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
