@@ -1026,11 +1026,13 @@ def test_signal_bar_build_uses_a_third_barrier():
 def test_sass_report_builds_the_default():
     """sass_report's build is the backend's default for bench-2b: the compile tests' DEFAULT plus
     the ring, bench-2b's attention shapes and the split-K MLP (it lagged behind twice: three
-    versions, then v28's SPLITK_DOWN until session 25)."""
+    versions, then v28's SPLITK_DOWN until session 25; v31's tags)."""
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
     shapes = dict(_bench2b_shape_consts())
     assert DEFAULT_BUILD == dict(DEFAULT, **shapes, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, PREFETCH=0,
-                                 SPLITK_DOWN=1)  # a Llama-family model's MLP (v28)
+                                 SPLITK_DOWN=1,  # a Llama-family model's MLP (v28)
+                                 TAG_QKV=1, TAG_OPROJ=1)  # readiness in the data around the attention (v31)
+    _compile_clean(**DEFAULT_BUILD)  # within the register bound, no spills
 
 
 def test_every_tuning_knob_is_documented():
@@ -1537,8 +1539,8 @@ def test_splitk_pairs_receive_buffer_lies_past_the_stage_own_scratch():
 def test_tag_qkv_marks_each_layers_qkv_stage_and_attention_with_alternating_writes():
     """schedule.tag_attention_inputs (KOG_HOPPER_TAG_QKV): on bench-2b every q/k/v stage writes q, k
     and v with MVF_TAG_OUT and its attention stage gets AT_TAG = the same write index k | n << 16
-    (n = 26 layers: the fused RoPE ops' in-place writes do not count); nothing else is tagged. A
-    build of it compiles without spills."""
+    (n = 26 layers: the fused RoPE ops' in-place writes do not count); nothing else is tagged. The
+    build without it (KOG_HOPPER_TAG_QKV=0) compiles without spills."""
     from kog_nvidia_hopper import schedule as S
     prog = _bench2b_program()
     stages = _bench2b_stages_as_loaded()
@@ -1551,8 +1553,8 @@ def test_tag_qkv_marks_each_layers_qkv_stage_and_attention_with_alternating_writ
     tagged = {i - 1 for i in att}
     assert not any(st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_OUT"] for i, st in enumerate(stages)
                    if st.type == "matvec" and i not in tagged)
-    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD  # bench-2b's default build
-    _compile_clean(**dict(DEFAULT_BUILD, TAG_QKV=1))
+    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD  # bench-2b's default build (TAG_QKV on, v31)
+    _compile_clean(**dict(DEFAULT_BUILD, TAG_QKV=0))  # KOG_HOPPER_TAG_QKV=0
 
 
 def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
@@ -1597,8 +1599,8 @@ def test_tag_oproj_marks_each_attention_output_and_its_o_proj():
     """schedule.tag_attention_outputs (KOG_HOPPER_TAG_OPROJ): on bench-2b each attention stage gets
     AT_OTAG = write k | 26 << 16 and the o_proj after it MVF_TAG_IN with the same MV_TAG (its loader
     polls the parity; decode.cu then waits on the stage before the attention); with the loader
-    combine (the attention does not write the output) nothing is tagged. Builds with it, alone and
-    with TAG_QKV, compile without spills."""
+    combine (the attention does not write the output) nothing is tagged. Builds without it, alone
+    and with TAG_QKV off too, compile without spills."""
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
     prog = _bench2b_program()
@@ -1612,5 +1614,40 @@ def test_tag_oproj_marks_each_attention_output_and_its_o_proj():
     loader = _bench2b_stages_as_loaded()
     S.fuse_attention_combine(prog, loader)
     assert S.tag_attention_outputs(prog, loader) == []
-    _compile_clean(**dict(DEFAULT_BUILD, TAG_OPROJ=1))
-    _compile_clean(**dict(DEFAULT_BUILD, TAG_OPROJ=1, TAG_QKV=1))
+    _compile_clean(**dict(DEFAULT_BUILD, TAG_OPROJ=0))  # the default has both (v31)
+    _compile_clean(**dict(DEFAULT_BUILD, TAG_OPROJ=0, TAG_QKV=0))
+
+
+def _nvdisasm_or_skip():
+    from kog_nvidia_hopper.sass_report import nvdisasm
+    try:
+        return nvdisasm()
+    except KogError as e:
+        pytest.skip(f"nvdisasm is not installed (the test extra's nvidia-cuda-nvdisasm): {e}")
+
+
+def test_every_poll_of_the_default_build_is_a_loop_in_its_machine_code():
+    """The default build's readiness-in-the-data polls (TAG_QKV: the attention's q, k and v;
+    TAG_OPROJ: o_proj's input row) each compile to a load with a branch back to it. v30's loads
+    (ld.cg, no memory clobber) let the compiler fold `do v = load(p); while (!ready(v));` into
+    one load, and the reader went on with a stale value (session 27): that source, put back in
+    place of ld_poll / ld_poll4, must fail the same check."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
+    _nvdisasm_or_skip()
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.cuda_util import source
+    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD, disassemble_source, poll_loops
+    src = source(S.header(DEFAULT_BUILD))
+    polls = poll_loops(src, disassemble_source(src)[2])
+    assert len(polls) == 4 and all(looped for _, looped in polls), polls  # q, k, v; o_proj's float4s
+    v30 = {  # the same lines (so the same source lines mark the loads) with v30's loads
+        '"ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(r) : "l"(p) : "memory");':
+        '"ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));  // ld.relaxed.gpu.global.f32 (v30)',
+        '"ld.relaxed.gpu.global.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p) : "memory");':
+        '"ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));  // ld.relaxed.gpu.global.v4.f32 (v30)'}
+    old = src
+    for new_text, old_text in v30.items():
+        assert new_text in old
+        old = old.replace(new_text, old_text)
+    folded = poll_loops(old, disassemble_source(old)[2])
+    assert not all(looped for _, looped in folded) or len(folded) < 4, folded

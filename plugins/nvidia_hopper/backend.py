@@ -268,24 +268,24 @@ class HopperBackend(KernelBackend):
         # TAG_DOWN (an experiment, session 9; +0.3% in session 10, off): down_proj takes its input
         # when the values carry this write's parity, instead of after gate/up's completion count
         tagged = S.tag_pair_outputs(program, stages) if tag_down else []
-        # KOG_HOPPER_TAG_QKV (session 26, an experiment, off): the attention takes q / k / v when their
-        # values carry this write's parity, not after the q/k/v stage's count (attention.cuh TAG_QKV).
-        # +1.8% bench-2b, +1.6% llama-3.2-1b on an H100, but with it on by default 13 GPU tests failed
-        # (preset shapes, Laneformer's LANES_LOAD; perhaps the launch's stream race fixed since): not
-        # to be trusted until they pass (perf notes, session 26). Where no attention stage is fed that way it stays off; =1 says why.
-        self.tag_qkv = bool(_env_int("KOG_HOPPER_TAG_QKV", 0, lo=0, hi=1))
+        # Readiness in the data on the attention's chain (default since v31, session 27: bench-2b and
+        # llama-3.2-1b +3.0% on an H100, both together). TAG_QKV: the attention takes q / k / v when
+        # their values carry this write's parity, not after the q/k/v stage's count (attention.cuh);
+        # TAG_OPROJ: o_proj takes the attention's output the same way (matvec.cuh). Each stays off
+        # where no stage is fed that way (=1 then says why; =0 turns it off). Session 26's failures
+        # with them came from the poll loops, which the compiler had folded into one load (ld_poll).
+        explicit_qkv = os.environ.get("KOG_HOPPER_TAG_QKV") == "1"
+        self.tag_qkv = bool(_env_int("KOG_HOPPER_TAG_QKV", 1, lo=0, hi=1))
         tagged_qkv = S.tag_attention_inputs(program, stages) if self.tag_qkv else []
-        if os.environ.get("KOG_HOPPER_TAG_QKV") == "1" and not tagged_qkv:
+        if explicit_qkv and not tagged_qkv:
             raise KogError("KOG_HOPPER_TAG_QKV=1 needs attention stages fed by a q/k/v matvec stage that alone "
                            "writes their query, key and value (a Llama-family model): unset KOG_HOPPER_TAG_QKV")
-        # KOG_HOPPER_TAG_OPROJ (session 26, an experiment, off; not yet run on a GPU): o_proj takes the
-        # attention's output when its values carry this write's parity, not after the attention's
-        # count (schedule.tag_attention_outputs, matvec.cuh TAG_OPROJ)
-        tag_oproj = bool(_env_int("KOG_HOPPER_TAG_OPROJ", 0, lo=0, hi=1))
-        if tag_oproj and x_cpasync:
+        explicit_oproj = os.environ.get("KOG_HOPPER_TAG_OPROJ") == "1"
+        if explicit_oproj and x_cpasync:
             raise KogError("KOG_HOPPER_TAG_OPROJ=1 polls o_proj's input on the register path: unset KOG_HOPPER_X_CPASYNC")
+        tag_oproj = bool(_env_int("KOG_HOPPER_TAG_OPROJ", 1, lo=0, hi=1)) and not x_cpasync
         tagged_out = S.tag_attention_outputs(program, stages) if tag_oproj else []
-        if tag_oproj and not tagged_out:
+        if explicit_oproj and not tagged_out:
             raise KogError("KOG_HOPPER_TAG_OPROJ=1 needs attention stages that combine their chunks and feed o_proj "
                            "alone (not KOG_HOPPER_ATTN_COMBINE=loader): unset KOG_HOPPER_TAG_OPROJ")
         self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv + tagged_out}  # buffer -> floats
@@ -419,9 +419,9 @@ class HopperBackend(KernelBackend):
             variant["LANES_LOAD"] = 1
         if tagged:  # TAG_DOWN (an experiment, session 9)
             variant["TAG_DOWN"] = 1
-        if tagged_qkv:  # TAG_QKV (an experiment, session 26)
+        if tagged_qkv:  # TAG_QKV (default since v31)
             variant["TAG_QKV"] = 1
-        if tagged_out:  # TAG_OPROJ (an experiment, session 26)
+        if tagged_out:  # TAG_OPROJ (default since v31)
             variant["TAG_OPROJ"] = 1
         if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)
             variant["SPLITK_DOWN"] = 1

@@ -22,7 +22,8 @@
 #              fetch and the instruction caches (PROBE_ARGS="--round 6 7", "--round 10 11")
 #   tagbisect  bench-2b's preset GPU test (TAG_QKV's session-26 failure) with KOG_HOPPER_TAG_QKV=1, with
 #              it and TAG_QKV_WAIT=1 (the counter wait kept), and with TAG_OPROJ=1: the first failure's
-#              E lines each (perf notes, session 26)
+#              E lines each (perf notes, session 26); BISECT_VARIANTS / BISECT_K for others, and the
+#              kernel's TAGCHK lines (KOG_HOPPER_DEFINES=TAG_CHECK=1)
 #   pack       last: everything under $OUT into one out.tgz (a call returns at most 8 files)
 # Carried paths (gitignored; rebuild them in a new checkout, python 3.12 wheels for the device):
 #   .whl      kog's wheel (`.venv/bin/pip wheel --no-deps --no-build-isolation -w .whl .`, again after
@@ -116,10 +117,12 @@ probe)
   timeout ${PROBE_TIMEOUT:-120} python3 -m kog_nvidia_hopper.stream_probe ${PROBE_ARGS:-} --json $OUT/probe.json 2>&1 | tee $OUT/probe.log | cut -c1-200 ;;
 tagbisect)
   export PYTHONPATH=${SITE:-/tmp/site}
-  for v in "KOG_HOPPER_TAG_QKV=1" "KOG_HOPPER_TAG_QKV=1,KOG_HOPPER_DEFINES=TAG_QKV_WAIT=1" "KOG_HOPPER_TAG_OPROJ=1"; do
-    env ${v//,/ } timeout ${BISECT_TIMEOUT:-60} python3 -m pytest -x -q -p no:cacheprovider tests/gpu \
-      -k "test_benchmark_preset_matches_reference and bench-2b" > $OUT/bisect.log 2>&1
+  # TAG_CHECK=1: each value taken by its parity compared with a read after the counter wait (TAGCHK lines)
+  for v in ${BISECT_VARIANTS:-"KOG_HOPPER_TAG_QKV=1" "KOG_HOPPER_TAG_QKV=1,KOG_HOPPER_DEFINES=TAG_QKV_WAIT=1" "KOG_HOPPER_TAG_OPROJ=1"}; do
+    env ${v//,/ } timeout ${BISECT_TIMEOUT:-60} python3 -m pytest -x -q -s -p no:cacheprovider tests/gpu \
+      -k "${BISECT_K:-test_benchmark_preset_matches_reference and bench-2b}" > $OUT/bisect.log 2>&1
     echo "== $v: $(tail -1 $OUT/bisect.log | cut -c1-120)"; grep -E "^E " $OUT/bisect.log | head -4 | cut -c1-200
+    grep -E "^TAGCHK " $OUT/bisect.log | head -${BISECT_LINES:-12}; echo "TAGCHK lines: $(grep -c '^TAGCHK' $OUT/bisect.log)"
   done ;;
 pack)
   tar czf /tmp/out.tgz -C $OUT . && find $OUT -type f -delete && mv /tmp/out.tgz $OUT/out.tgz && echo "packed: out.tgz" ;;

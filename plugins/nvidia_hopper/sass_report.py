@@ -29,9 +29,13 @@ schedule) moves, and which lines hold the peak.
     python3 -m kog_nvidia_hopper.sass_report [--set KEY=VALUE ...] [--top N] [--load-use N] [--live]
                                              [--same-loop KEY=VALUE ...]
 
-nvdisasm is not a dependency: it comes from the `nvidia-cuda-nvdisasm` wheel (`pip download
---no-deps nvidia-cuda-nvdisasm`, unzip, `nvidia/cu13/bin/nvdisasm`); found through $KOG_NVDISASM
-or on PATH.
+nvdisasm comes from the `nvidia-cuda-nvdisasm` wheel (the `test` extra installs it; or `pip download
+--no-deps nvidia-cuda-nvdisasm`, unzip, `nvidia/cu13/bin/nvdisasm`); found through $KOG_NVDISASM,
+the installed wheel, or PATH.
+
+poll_loops (the CPU test of the default build uses it): every load of `ld_poll` / `ld_poll4`
+(common.cuh) must sit in a loop of the machine code. Session 27 found the poll loops of v30's
+TAG_QKV compiled to a single load (no branch back), so a reader went on with a stale value.
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ DEFAULT_BUILD = dict(NT=320, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, KV_BUFS
                      INLINE_ATTENTION=1, PREFETCH=0, NORM_SMEM=1, STREAM_L2_FIRST=1,
                      NORM_RCP=1, ATT_FASTDIV=1, SAMPLE_GRID=1, SAMPLE_EPT=4, SMEM_ALIGN=128, DEFER_NORM=1, SIGNAL_BAR=1,
                      ATC_L=1, ATC_H=16, ATC_HKV=8, ATC_HD=128, ATC_T=4096, ATC_MAXCH=16,
-                     ATC_ROPE_Q=1, ATC_ROPE_K=1, SPLITK_DOWN=1)
+                     ATC_ROPE_Q=1, ATC_ROPE_K=1, SPLITK_DOWN=1, TAG_QKV=1, TAG_OPROJ=1)
 KINDS = {"LDL": re.compile(r"\bLDL(\.|\s)"), "STL": re.compile(r"\bSTL(\.|\s)"),
          "LD.E": re.compile(r"\bLD\.E"), "ST.E": re.compile(r"\bST\.E")}
 _LINE = re.compile(r'//## File ".*", line (\d+)')
@@ -214,20 +218,71 @@ def report_same_loop(base: dict, variant: dict) -> list[str]:
             f"matvec item loops: {verdict}"]
 
 
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA\b.*`\((\.L_x_\d+)\)")
+POLL_ASM = ("ld.relaxed.gpu.global.f32", "ld.relaxed.gpu.global.v4.f32")  # ld_poll, ld_poll4 (common.cuh)
+
+
+def poll_loops(src: str, sass: str, window: int = 16) -> list[tuple[str, bool]]:
+    """(address, looped) for each global load compiled from an ld_poll / ld_poll4 asm line of `src`:
+    looped when a branch within `window` instructions after it jumps back to it or before it."""
+    lines = {i + 1 for i, text in enumerate(src.splitlines()) if any(a + " " in text for a in POLL_ASM)}
+    label_at, pending = {}, []
+    for text in sass.splitlines():  # a label's address: the next instruction's
+        m = _LABEL.match(text)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSN.search(text)
+        if m:
+            for name in pending:
+                label_at[name] = int(m.group(1), 16)
+            pending = []
+    ins = instructions(sass)
+    out = []
+    for i, (addr, line, text) in enumerate(ins):
+        if line not in lines or not _GLOBAL_LOAD.match(text):
+            continue
+        back = False
+        for _, _, later in ins[i + 1:i + 1 + window]:
+            m = _BRANCH.match(later)
+            if m and label_at.get(m.group(2), 1 << 62) <= int(addr, 16):
+                back = True
+                break
+        out.append((addr, back))
+    return out
+
+
 def nvdisasm() -> str:
-    path = os.environ.get("KOG_NVDISASM") or shutil.which("nvdisasm")
+    path = os.environ.get("KOG_NVDISASM") or _installed_nvdisasm() or shutil.which("nvdisasm")
     if not path or not os.path.exists(path):
         raise KogError("nvdisasm not found: pip download --no-deps nvidia-cuda-nvdisasm, unzip it and set "
                        "KOG_NVDISASM=<dir>/nvidia/cu13/bin/nvdisasm")
     return path
 
 
+def _installed_nvdisasm() -> str | None:
+    """nvdisasm of the nvidia-cuda-nvdisasm wheel, when it is installed."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "cu13", "bin", "nvdisasm")
+        if os.path.exists(path):
+            return path
+    return None
+
+
 def _disassemble(variant: dict, *more: tuple[str, ...]) -> tuple[str, ...]:
     """(source, ptxas log, nvdisasm -c -g output) of a build, then one more listing of the same
     cubin for each tuple of nvdisasm options in `more` (e.g. ("-lrm", "count"): -g is ignored there)."""
     from kog_nvidia_hopper import schedule as S
-    from kog_nvidia_hopper.cuda_util import compile_cubin, source
-    src = source(S.header(variant))
+    from kog_nvidia_hopper.cuda_util import source
+    return disassemble_source(source(S.header(variant)), *more)
+
+
+def disassemble_source(src: str, *more: tuple[str, ...]) -> tuple[str, ...]:
+    """_disassemble of a whole spliced source (a test's edited copy of a build)."""
+    from kog_nvidia_hopper.cuda_util import compile_cubin
     cubin, log = compile_cubin(src)
     tool = nvdisasm()
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -565,40 +565,30 @@ def test_pool_refuses_the_other_splitk_sums_in_one_line(monkeypatch):
         _backends(prog, w)
 
 
+TAG_SETTINGS = {"default": {}, "qkv only": {"KOG_HOPPER_TAG_OPROJ": "0"}, "oproj only": {"KOG_HOPPER_TAG_QKV": "0"},
+                "off": {"KOG_HOPPER_TAG_QKV": "0", "KOG_HOPPER_TAG_OPROJ": "0"}}
+
+
+@pytest.mark.parametrize("tags", list(TAG_SETTINGS))
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
-def test_tag_qkv_matches_reference(name, monkeypatch):
-    """KOG_HOPPER_TAG_QKV=1 (session 26): the attention takes q / k / v when their values carry this
-    write's parity instead of after the q/k/v stage's count. Logits at every position and greedy
-    tokens match the reference over several launches (the buffers are marked stale before each),
-    seeded sampling repeats, and every layer's q/k/v stage is tagged (qwen2: with biases)."""
+def test_tags_around_the_attention_match_reference(name, tags, monkeypatch):
+    """Readiness in the data around the attention (the default since v31), each end alone and
+    neither: with TAG_QKV the attention takes q / k / v when their values carry this write's parity
+    instead of after the q/k/v stage's count; with TAG_OPROJ o_proj takes the attention's output
+    the same way. Logits at every position and greedy tokens match the reference over several
+    launches (the buffers are marked stale before each), seeded sampling repeats (llama), and the
+    build has what the setting asks for (qwen2: the q/k/v stage with biases)."""
+    settings = TAG_SETTINGS[tags]
     def check(hb, prog):
-        assert hb.variant.get("TAG_QKV") == 1 and sorted(hb.tagged) == ["k", "q", "v"]
-    _matches_reference_with(name, monkeypatch, {"KOG_HOPPER_TAG_QKV": "1"}, check)
-
-
-@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
-def test_tag_qkv_on_the_benchmark_presets(preset, monkeypatch):
-    """KOG_HOPPER_TAG_QKV=1 at the presets' own shapes: as test_benchmark_preset_matches_reference."""
-    monkeypatch.setenv("KOG_HOPPER_TAG_QKV", "1")
-    test_benchmark_preset_matches_reference(preset)
-
-
-@pytest.mark.parametrize("both", [False, True])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
-def test_tag_oproj_matches_reference(name, both, monkeypatch):
-    """KOG_HOPPER_TAG_OPROJ=1 (session 26): o_proj takes the attention's output when its values carry
-    this write's parity instead of after the attention's count (both: with KOG_HOPPER_TAG_QKV=1 too,
-    so neither end of the attention waits on a count). Logits at every position and greedy tokens
-    match the reference over several launches, seeded sampling repeats."""
-    def check(hb, prog):
-        assert hb.variant.get("TAG_OPROJ") == 1 and "att" in hb.tagged
-        assert hb.variant.get("TAG_QKV", 0) == int(both)
-    settings = {"KOG_HOPPER_TAG_OPROJ": "1", **({"KOG_HOPPER_TAG_QKV": "1"} if both else {})}
+        qkv, oproj = "KOG_HOPPER_TAG_QKV" not in settings, "KOG_HOPPER_TAG_OPROJ" not in settings
+        assert hb.variant.get("TAG_QKV", 0) == int(qkv) and hb.variant.get("TAG_OPROJ", 0) == int(oproj)
+        assert sorted(hb.tagged) == sorted(["k", "q", "v"] * qkv + ["att"] * oproj)
     _matches_reference_with(name, monkeypatch, settings, check)
 
 
-@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
-def test_tag_oproj_on_the_benchmark_presets(preset, monkeypatch):
-    """KOG_HOPPER_TAG_OPROJ=1 at the presets' own shapes: as test_benchmark_preset_matches_reference."""
-    monkeypatch.setenv("KOG_HOPPER_TAG_OPROJ", "1")
-    test_benchmark_preset_matches_reference(preset)
+def test_benchmark_preset_without_tags_matches_reference(monkeypatch):
+    """bench-2b at its own shapes with both tags off (v30's counter waits around the attention): as
+    test_benchmark_preset_matches_reference."""
+    for key, value in TAG_SETTINGS["off"].items():
+        monkeypatch.setenv(key, value)
+    test_benchmark_preset_matches_reference("bench-2b")

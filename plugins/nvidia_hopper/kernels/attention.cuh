@@ -406,13 +406,21 @@ __device__ __noinline__ void run_attention(Ctx& c) {
             float ki = 0.f, vi = 0.f;
             if (kv) { ki = ldf(ks + i); vi = ldf(vs + i); }
 #if TAG_QKV
-            if (tagged) {  // re-read what the q/k/v stage has not yet written (ldf is volatile: a fresh load each time)
-                while ((__float_as_uint(qi) & 1u) != par) qi = ldf(qsrc + i);
+            if (tagged) {  // re-read what the q/k/v stage has not yet written (ld_poll: a fresh load each time)
+                while ((__float_as_uint(qi) & 1u) != par) qi = ld_poll(qsrc + i);
                 if (kv) {
-                    while ((__float_as_uint(ki) & 1u) != par) ki = ldf(ks + i);
-                    while ((__float_as_uint(vi) & 1u) != par) vi = ldf(vs + i);
+                    while ((__float_as_uint(ki) & 1u) != par) ki = ld_poll(ks + i);
+                    while ((__float_as_uint(vi) & 1u) != par) vi = ld_poll(vs + i);
                 }
             }
+#if TAG_CHECK
+            if (tagged) {
+                spin_acquire(c.chk_ctr + c.chk_s - 1, gridDim.x * (u32)(c.it + 1));
+                const u32 tw = (u32)st[AT_TAG];
+                tag_check("q", c.chk_s, c.it, i, qi, ld_poll(qsrc + i), tw, par);
+                if (kv) { tag_check("k", c.chk_s, c.it, i, ki, ld_poll(ks + i), tw, par); tag_check("v", c.chk_s, c.it, i, vi, ld_poll(vs + i), tw, par); }
+            }
+#endif
 #endif
             q[i] = qi;
             ob[i] = 0.f;

@@ -17,6 +17,21 @@ __device__ __forceinline__ float ldf(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
     return r;
 }
+// Loads for a poll loop (readiness in the data: TAG_DOWN, TAG_QKV, TAG_OPROJ). Relaxed at gpu scope,
+// so a later load sees another block's store, and with a memory clobber: with ldf's weak ld.cg and
+// no clobber, the compiler turned `do v = load(p); while (!ready(v));` into a single load (the SASS
+// had no branch back), so a reader went on with a stale value (session 27; TAG_DOWN's session-10
+// figure came from that build).
+__device__ __forceinline__ float ld_poll(const float* p) {
+    float r;
+    asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(r) : "l"(p) : "memory");
+    return r;
+}
+__device__ __forceinline__ float4 ld_poll4(const float4* p) {
+    float4 r;
+    asm volatile("ld.relaxed.gpu.global.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p) : "memory");
+    return r;
+}
 __device__ __forceinline__ i64 ldi64(const i64* p) {
     i64 r;
     asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(r) : "l"(p));

@@ -41,6 +41,20 @@ __device__ __forceinline__ u64* trace_row_at(u64* base, int it0, int it, int s, 
 // is generic, and every descriptor read would be a generic load instead of an LDS.
 __shared__ __align__(16) i64 s_desc[3][NSLOT];
 __shared__ int4 s_blk[3];
+// TAG_CHECK (a bisecting build, off): each value a TAG_QKV / TAG_OPROJ reader takes by its parity is
+// read again after the counter wait it replaced; differences are printed (the first 24) and counted
+#ifndef TAG_CHECK
+#define TAG_CHECK 0
+#endif
+#if TAG_CHECK
+__device__ int g_tag_mismatch;
+__device__ __forceinline__ void tag_check(const char* what, int s, int it, int i, float got, float want, u32 tag, u32 par) {
+    if (__float_as_uint(got) == __float_as_uint(want)) return;
+    if (atomicAdd(&g_tag_mismatch, 1) < 24)
+        printf("TAGCHK %s stage %d it %d block %d i %d got %08x want %08x tag %08x par %u\n", what, s, it,
+               (int)blockIdx.x, i, __float_as_uint(got), __float_as_uint(want), tag, par);
+}
+#endif
 struct Ctx {
 #ifdef TRACE
     u64* tr;            // this stage's trace row (null: not traced)
@@ -57,6 +71,10 @@ struct Ctx {
     int skipmask;       // benchmark breakdown: stage kinds not executed
 #if SPLITK_PAIRS
     u32 npair;          // split-K exchanges with the partner block so far (pair_bar's phase)
+#endif
+#if TAG_CHECK
+    const u32* chk_ctr; // TAG_CHECK (a bisecting build): the counters, and this stage's index
+    int chk_s;
 #endif
 };
 

@@ -148,6 +148,9 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
 #if SPLITK_PAIRS
     c.npair = 0;
 #endif
+#if TAG_CHECK
+    c.chk_ctr = counters;
+#endif
 #ifdef TRACE
     c.tbase = (u64*)run[R_TRACE];
     c.tit0 = (int)run[R_TRACE_IT0];
@@ -208,6 +211,9 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             if (tid == NSLOT) cp_async16(&s_blk[nxt], binfo + sn * gridDim.x + blockIdx.x);
             cp_commit();
             const int type = (int)st[S_TYPE];
+#if TAG_CHECK
+            c.chk_s = s;
+#endif
             // the stage waited on: the previous one (-1: the previous token's last), or with TAG_DOWN,
             // whose input values say when they are ready, the stage before their writer
             int ws = s - 1;

@@ -92,7 +92,7 @@ __device__ __forceinline__ u32 tag_parity_of(u32 t, int it) {  // t: this write'
     return ((u32)it * (t >> 16) + (t & 0xffffu)) & 1u;        // (it n + k) & 1
 }
 __device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_parity_of((u32)st[MV_TAG], it); }
-// TAG_QKV (an experiment, off; KOG_HOPPER_TAG_QKV=1; schedule.tag_attention_inputs): the q/k/v
+// TAG_QKV (default since v31; KOG_HOPPER_TAG_QKV=0 off; schedule.tag_attention_inputs): the q/k/v
 // stage stores its outputs with the parity of this write (MVF_TAG_OUT, every row's epilogue), and
 // the attention after it takes them when they carry it instead of waiting on the stage's count.
 #ifndef TAG_QKV
@@ -101,7 +101,7 @@ __device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_pa
 #ifndef TAG_QKV_WAIT
 #define TAG_QKV_WAIT 0
 #endif
-// TAG_OPROJ (an experiment, off; KOG_HOPPER_TAG_OPROJ=1; schedule.tag_attention_outputs): the
+// TAG_OPROJ (default since v31; KOG_HOPPER_TAG_OPROJ=0 off; schedule.tag_attention_outputs): the
 // attention stores its output with this write's parity (AT_OTAG) and o_proj takes its input row as
 // TAG_DOWN's down_proj does (MVF_TAG_IN: waits on the stage before the attention, then re-reads
 // what does not carry the parity yet)
@@ -116,7 +116,7 @@ __device__ __forceinline__ float with_parity(float v, u32 p) { return __uint_as_
 __device__ __forceinline__ bool has_parity(float4 v, u32 p) {
     return (((__float_as_uint(v.x) ^ p) | (__float_as_uint(v.y) ^ p) | (__float_as_uint(v.z) ^ p) | (__float_as_uint(v.w) ^ p)) & 1u) == 0;
 }
-__device__ __forceinline__ float4 ldcg4_volatile(const float4* p) {  // re-read on every call (a spin)
+__device__ __forceinline__ float4 ldcg4_volatile(const float4* p) {  // a load at L2 the compiler keeps (not a poll: ld_poll4)
     float4 r;
     asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
     return r;
@@ -377,9 +377,18 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             float4* p = x_f4(x, K, i);
             float4 v = *p;
             if (has_parity(v, par)) continue;
-            do { v = ldcg4_volatile((const float4*)in + i); } while (!has_parity(v, par));
+            do { v = ld_poll4((const float4*)in + i); } while (!has_parity(v, par));
             *p = v;
         }
+#if TAG_CHECK
+        spin_acquire(c.chk_ctr + c.chk_s - 1, gridDim.x * (u32)(c.it + 1));  // the writer's (TAG_OPROJ: the attention)
+        for (int i = tid; i < K4; i += NT) {
+            const float4 v = *x_f4(x, K, i), w = ld_poll4((const float4*)in + i);
+            const u32 tw = (u32)st[MV_TAG];
+            tag_check("in.x", c.chk_s, c.it, 4 * i, v.x, w.x, tw, par); tag_check("in.y", c.chk_s, c.it, 4 * i + 1, v.y, w.y, tw, par);
+            tag_check("in.z", c.chk_s, c.it, 4 * i + 2, v.z, w.z, tw, par); tag_check("in.w", c.chk_s, c.it, 4 * i + 3, v.w, w.w, tw, par);
+        }
+#endif
     }
     TMARK(c, 14);  // thread 0's input loads landed
 #if DEFER_NORM
