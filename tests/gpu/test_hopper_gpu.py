@@ -592,3 +592,21 @@ def test_benchmark_preset_without_tags_matches_reference(monkeypatch):
     for key, value in TAG_SETTINGS["off"].items():
         monkeypatch.setenv(key, value)
     test_benchmark_preset_matches_reference("bench-2b")
+
+
+@pytest.mark.parametrize("name", ["llama", "laneformer-lane"])
+def test_benchmark_breakdown_finishes_with_the_tags_on(name):
+    """`kog bench`'s breakdown (bench_breakdown's skip masks: no attention, no layer matvecs, no
+    waits, ...) with the default build's tags around the attention: every mask finishes (session 29:
+    the masks that skip a tagged value's writer left a poll spinning and the benchmark hung; the
+    readers now wait on the counters under them, polls_on), and a request after them still matches
+    the reference."""
+    arch, prog, w = _small_or_laneformer(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.tagged  # the default build polls around the attention
+        out = hb.bench_breakdown([3, 17, 42, 5], 24)
+        assert len(out) == 9 and all(np.isfinite(v) and v > 0 for v in out.values()), out
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=40, seed=3, max_tokens=16)
+    finally:
+        hb.close()

@@ -396,7 +396,7 @@ __device__ __noinline__ void run_attention(Ctx& c) {
         const float* ks = (const float*)st[AT_KNEW] + (i64)l * Hkv * hd + (i64)g * hd;
         const float* vs = (const float*)st[AT_VNEW] + (i64)l * Hkv * hd + (i64)g * hd;
 #if TAG_QKV
-        const bool tagged = st[AT_TAG] != 0;  // (schedule.tag_attention_inputs) each value's parity says it is this write's
+        const bool tagged = st[AT_TAG] != 0 && polls_on(c);  // (schedule.tag_attention_inputs) each value's parity says it is this write's
         const u32 par = tag_parity_of((u32)st[AT_TAG], c.it);
 #endif
         ATT_LOOP

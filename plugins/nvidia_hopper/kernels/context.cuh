@@ -78,6 +78,13 @@ struct Ctx {
 #endif
 };
 
+// Readiness in the data (TAG_QKV, TAG_OPROJ, TAG_DOWN) only where every writer runs and waits: the
+// benchmark's skip masks that leave a tagged value's writer out (bit 1: the layer matvecs, bit 2:
+// the attention) or drop the waits that keep blocks within one write of each other (bit 6) would
+// leave a poll spinning forever (session 29: `kog bench`'s breakdown hung). Its readers then wait on
+// the counters as an untagged build does.
+__device__ __forceinline__ bool polls_on(const Ctx& c) { return !(c.skipmask & ((1 << 1) | (1 << 2) | (1 << 6))); }
+
 __device__ __forceinline__ float fslot(const i64* st, int i) { return __int_as_float((int)st[i]); }
 
 __device__ __forceinline__ void wait_counter(const u32* ctr, u32 target) {

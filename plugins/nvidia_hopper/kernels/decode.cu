@@ -217,12 +217,12 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             // the stage waited on: the previous one (-1: the previous token's last), or with TAG_DOWN,
             // whose input values say when they are ready, the stage before their writer
             int ws = s - 1;
-            if (TAG_IN && type == ST_MATVEC && ((int)st[MV_FLAGS] & MVF_TAG_IN)) ws = s - 2;
+            if (TAG_IN && type == ST_MATVEC && ((int)st[MV_FLAGS] & MVF_TAG_IN) && polls_on(c)) ws = s - 2;
             const u32* wctr = ws >= 0 ? counters + ws : counters + nst - 1;
             u32 wtarget = (c.skipmask >> 6) & 1 ? 0u : ws >= 0 ? nb * (u32)(it + 1) : nb * (u32)it;  // bit 6: stream only
             // the tiles poll their inputs' parity instead (TAG_QKV_WAIT=1 keeps the wait as well: a
             // bisecting build, tags written and polled with the old ordering, perf notes session 26)
-            if (TAG_QKV && !TAG_QKV_WAIT && type == ST_ATTN && st[AT_TAG]) wtarget = 0;
+            if (TAG_QKV && !TAG_QKV_WAIT && type == ST_ATTN && st[AT_TAG] && polls_on(c)) wtarget = 0;
             if (s == 0) c.tok = it < c.P ? prompt[it] : (int)ldi64(run + R_TOK);  // written before the previous iteration's last wait
 #ifdef TRACE
             c.tr = trace_row_at(c.tbase, c.tit0, it, s, nst);

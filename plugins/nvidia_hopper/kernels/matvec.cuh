@@ -294,8 +294,8 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
     const u16* tab = (const u16*)st[MV_EMB_TABLE] + (i64)c.tok * K;
     const u16* nw = (const u16*)st[MV_NORM_W] + lane * st[MV_NORM_WL];
     const int tid = threadIdx.x;
-    // (not in the benchmark's no-wait mode, bit 6: blocks drift apart, a later write could hide this one)
-    const bool tagged = TAG_IN && ((int)st[MV_FLAGS] & MVF_TAG_IN) && !((c.skipmask >> 6) & 1);
+    // (not under the benchmark's masks that skip its writer or the waits: polls_on, context.cuh)
+    const bool tagged = TAG_IN && ((int)st[MV_FLAGS] & MVF_TAG_IN) && polls_on(c);
     const u32 par = tagged ? tag_parity(st, c.it) : 0u;
     float ss = 0.f;
     if (X_CPASYNC && !(mode & IN_EMBED)) {
