@@ -1595,6 +1595,38 @@ def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
     assert sum(n == "cuMemsetD32Async" for n, _ in writes) == 5  # counters, accumulators, pool, tagged, parts
 
 
+def test_a_timed_launch_that_never_finishes_is_a_one_line_error(monkeypatch):
+    """HopperBackend._time_request (the breakdown's and trace's launches) with a driver whose event
+    never completes: a KogError naming the skip mask once the deadline passes, and the kernel asked
+    to cancel, instead of waiting forever (session 29: a breakdown mask left a tag poll spinning)."""
+    import numpy as np
+    import kog_nvidia_hopper.backend as B
+    from kog_nvidia_hopper.backend import HopperBackend
+
+    class Result:
+        CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
+
+    class Driver:
+        CUresult = Result
+        queries = 0
+        def cuEventCreate(self, flags): return (0, object())
+        def cuEventRecord(self, event, stream): return (0,)
+        def cuEventQuery(self, event):
+            self.queries += 1
+            return (Result.CUDA_ERROR_NOT_READY,)
+
+    clock = iter(range(0, 10_000, 7))  # seconds: each look at the clock 7 s later
+    monkeypatch.setattr(B.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(B.time, "sleep", lambda s: None)
+    hb = HopperBackend.__new__(HopperBackend)
+    hb.drv, hb.stream = Driver(), object()
+    hb.cancel_view = np.zeros(4, np.int32)
+    hb._launch = lambda *args, **kwargs: None
+    with pytest.raises(KogError, match=r"did not finish a timed request of 8 tokens \(skip mask 0x2\)"):
+        hb._time_request([1, 2, 3], 8, skip=2)
+    assert hb.cancel_view[0] == 1 and hb.drv.queries > 1
+
+
 def test_tag_oproj_marks_each_attention_output_and_its_o_proj():
     """schedule.tag_attention_outputs (KOG_HOPPER_TAG_OPROJ): on bench-2b each attention stage gets
     AT_OTAG = write k | 26 << 16 and the o_proj after it MVF_TAG_IN with the same MV_TAG (its loader
