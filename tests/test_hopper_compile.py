@@ -1595,10 +1595,9 @@ def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
     assert sum(n == "cuMemsetD32Async" for n, _ in writes) == 5  # counters, accumulators, pool, tagged, parts
 
 
-def test_a_timed_launch_that_never_finishes_is_a_one_line_error(monkeypatch):
-    """HopperBackend._time_request (the breakdown's and trace's launches) with a driver whose event
-    never completes: a KogError naming the skip mask once the deadline passes, and the kernel asked
-    to cancel, instead of waiting forever (session 29: a breakdown mask left a tag poll spinning)."""
+def _backend_whose_kernel_never_finishes(monkeypatch, tokens_out=0):
+    """A HopperBackend with a driver whose stream and events never complete, the kernel having
+    written `tokens_out` tokens, and a clock that moves 7 s at each look."""
     import numpy as np
     import kog_nvidia_hopper.backend as B
     from kog_nvidia_hopper.backend import HopperBackend
@@ -1614,17 +1613,52 @@ def test_a_timed_launch_that_never_finishes_is_a_one_line_error(monkeypatch):
         def cuEventQuery(self, event):
             self.queries += 1
             return (Result.CUDA_ERROR_NOT_READY,)
+        def cuStreamQuery(self, stream):
+            self.queries += 1
+            return (Result.CUDA_ERROR_NOT_READY,)
+        def cuStreamSynchronize(self, stream):
+            raise AssertionError("synchronizing with a kernel that never finishes hangs")
+        def cuMemFree(self, p):
+            raise AssertionError("freeing a stuck kernel's memory waits on it")
 
-    clock = iter(range(0, 10_000, 7))  # seconds: each look at the clock 7 s later
+    clock = iter(range(0, 100_000, 7))
     monkeypatch.setattr(B.time, "monotonic", lambda: float(next(clock)))
     monkeypatch.setattr(B.time, "sleep", lambda s: None)
     hb = HopperBackend.__new__(HopperBackend)
-    hb.drv, hb.stream = Driver(), object()
-    hb.cancel_view = np.zeros(4, np.int32)
+    hb.drv, hb.stream, hb.T, hb.allocs = Driver(), object(), 64, [4096]
+    hb.cancel_view, hb.cnt_view = np.zeros(4, np.int32), np.array([tokens_out, 0, 0, 0], np.int32)
+    hb.out_view = np.arange(64, dtype=np.int32)
     hb._launch = lambda *args, **kwargs: None
-    with pytest.raises(KogError, match=r"did not finish a timed request of 8 tokens \(skip mask 0x2\)"):
+    return hb
+
+
+def test_a_timed_launch_that_never_finishes_is_a_one_line_error(monkeypatch):
+    """HopperBackend._time_request (the breakdown's and trace's launches) with a kernel that never
+    finishes: a KogError naming the skip mask once the deadline passes and the kernel asked to
+    cancel, instead of waiting forever (session 29: a breakdown mask left a tag poll spinning);
+    close() then leaves its memory to the process's exit."""
+    hb = _backend_whose_kernel_never_finishes(monkeypatch)
+    with pytest.raises(KogError, match=r"no progress for \d+ s \(a timed request of 8 tokens, skip mask 0x2\)"):
         hb._time_request([1, 2, 3], 8, skip=2)
     assert hb.cancel_view[0] == 1 and hb.drv.queries > 1
+    hb.close()
+
+
+def test_a_request_whose_kernel_stops_making_progress_is_a_one_line_error(monkeypatch):
+    """generate() streams the tokens the kernel wrote, then, with no new one for a minute while the
+    kernel still runs, raises a KogError instead of polling forever, without synchronizing with the
+    stuck kernel; the next request is refused in one line (it would queue behind it)."""
+    from kog_core.interfaces import SamplingParams, StopCriteria
+    from kog_nvidia_hopper.backend import HopperBackend
+    hb = _backend_whose_kernel_never_finishes(monkeypatch, tokens_out=3)
+    got = []
+    with pytest.raises(KogError, match=r"no progress for 60 s \(3 of at most 16 tokens out\)"):
+        for t in hb.generate([1, 2], None, SamplingParams(), StopCriteria(max_tokens=16)):
+            got.append(t)
+    assert got == [0, 1, 2] and hb.cancel_view[0] == 1
+    del hb._launch  # the real _launch: refused before it touches the driver
+    with pytest.raises(KogError, match="restart the process"):
+        HopperBackend._launch(hb, [1], 0, 4, SamplingParams())
 
 
 def test_tag_oproj_marks_each_attention_output_and_its_o_proj():

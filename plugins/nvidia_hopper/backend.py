@@ -599,6 +599,8 @@ class HopperBackend(KernelBackend):
     # ------------------------------------------------------------------ launching
     def _launch(self, prompt: Sequence[int], start_pos: int, max_new: int, params: SamplingParams,
                 stop_ids=(), logits_out: int = 0, skip: int = 0):
+        if getattr(self, "stuck", None):  # a launch would queue behind the kernel that never ended
+            raise KogError(f"{self.stuck}; restart the process to use the GPU again")
         drv = self.drv
         P = len(prompt)
         pr = np.asarray(prompt, dtype=np.int32)
@@ -686,6 +688,14 @@ class HopperBackend(KernelBackend):
         cfg.attrs, cfg.numAttrs = [coop, cluster], 2
         return cfg
 
+    def _stuck_error(self, what: str, seconds: float) -> KogError:
+        """A kernel that made no progress (a wait that never ends: a bug): remembered, so that no
+        later launch queues behind it and close() leaves its memory alone."""
+        self.cancel_view[0] = 1  # in case it still polls the flag
+        self.stuck = (f"the nvidia_hopper kernel made no progress for {seconds:.0f} s ({what}): a stage waits on "
+                      "data that never comes, a bug to report with the model and the KOG_HOPPER_* settings")
+        return KogError(self.stuck)
+
     def _sync(self):
         check(self.drv.cuStreamSynchronize(self.stream), "the nvidia_hopper kernel")
 
@@ -732,10 +742,15 @@ class HopperBackend(KernelBackend):
             return
         self._launch(prompt, 0, int(stop.max_tokens), params, stop.stop_token_ids)
         seen = 0
-        done = False
+        done = stuck = False
+        # no new token for this long is a kernel that will not finish (an error, not a hang): the
+        # first token waits on the prompt's positions (token by token), each later one milliseconds
+        limit, last = 60.0 + 0.05 * len(prompt), time.monotonic()
         try:
             while True:
                 n = int(self.cnt_view[0])
+                if n > seen:
+                    limit, last = 60.0, time.monotonic()
                 while seen < n:
                     yield int(self.out_view[seen])
                     seen += 1
@@ -749,11 +764,15 @@ class HopperBackend(KernelBackend):
                     continue
                 if r != self.drv.CUresult.CUDA_ERROR_NOT_READY:
                     check(r, "the nvidia_hopper kernel")
+                if time.monotonic() - last > limit:
+                    stuck = True
+                    raise self._stuck_error(f"{seen} of at most {stop.max_tokens} tokens out", limit)
                 time.sleep(20e-6)
         finally:
             if not done:
                 self.cancel_view[0] = 1
-            self._sync()
+            if not stuck:
+                self._sync()
 
     def generate_timed(self, prompt_ids, params: SamplingParams, stop: StopCriteria):
         """(tokens, ttft_s, total_s) of one whole request, for the benchmark."""
@@ -782,10 +801,7 @@ class HopperBackend(KernelBackend):
             if r != drv.CUresult.CUDA_ERROR_NOT_READY:
                 check(r, "the nvidia_hopper kernel")
             if time.monotonic() > deadline:
-                self.cancel_view[0] = 1
-                raise KogError(f"the nvidia_hopper kernel did not finish a timed request of {n_tokens} tokens "
-                               f"(skip mask {skip:#x}) in {deadline - t_start:.0f} s: a stage waits on data that never "
-                               "comes; a bug to report with the model and the KOG_HOPPER_* settings")
+                raise self._stuck_error(f"a timed request of {n_tokens} tokens, skip mask {skip:#x}", deadline - t_start)
             time.sleep(1e-4)
         return check(drv.cuEventElapsedTime(e0, e1)) / 1e3
 
@@ -852,6 +868,9 @@ class HopperBackend(KernelBackend):
         return out
 
     def close(self) -> None:
+        if getattr(self, "stuck", None):  # freeing would wait on the kernel; the process's exit frees it
+            self.allocs = []
+            return
         for p in self.allocs:
             self.drv.cuMemFree(p)
         self.allocs = []
