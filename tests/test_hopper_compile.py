@@ -1661,6 +1661,18 @@ def test_a_request_whose_kernel_stops_making_progress_is_a_one_line_error(monkey
         HopperBackend._launch(hb, [1], 0, 4, SamplingParams())
 
 
+def test_logits_whose_kernel_never_finishes_are_a_one_line_error(monkeypatch):
+    """logits() (a launch that writes every position's logits, then a copy back) with a kernel that
+    never finishes: a KogError once 60 s + 50 ms a position have passed, without synchronizing with
+    it or freeing the buffer it writes."""
+    hb = _backend_whose_kernel_never_finishes(monkeypatch)
+    hb.drv.cuMemAlloc = lambda nbytes: (0, 8192)
+    hb.program = type("Program", (), {"vocab_size": 32})()
+    with pytest.raises(KogError, match=r"no progress for 60 s \(logits of 4 positions\)"):
+        hb.logits([1, 2, 3, 4])
+    assert 8192 in hb.allocs
+
+
 def test_tag_oproj_marks_each_attention_output_and_its_o_proj():
     """schedule.tag_attention_outputs (KOG_HOPPER_TAG_OPROJ): on bench-2b each attention stage gets
     AT_OTAG = write k | 26 << 16 and the o_proj after it MVF_TAG_IN with the same MV_TAG (its loader

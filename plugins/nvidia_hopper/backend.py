@@ -699,6 +699,21 @@ class HopperBackend(KernelBackend):
     def _sync(self):
         check(self.drv.cuStreamSynchronize(self.stream), "the nvidia_hopper kernel")
 
+    def _finish(self, positions: int, what: str) -> None:
+        """Wait for the launch to end, as _sync, but a kernel still running after 60 s + 50 ms a
+        position is an error (_stuck_error), not a hang."""
+        limit = 60.0 + 0.05 * positions
+        t0 = time.monotonic()
+        while True:
+            r = self.drv.cuStreamQuery(self.stream)[0]
+            if r == self.drv.CUresult.CUDA_SUCCESS:
+                return
+            if r != self.drv.CUresult.CUDA_ERROR_NOT_READY:
+                check(r, "the nvidia_hopper kernel")
+            if time.monotonic() - t0 > limit:
+                raise self._stuck_error(what, limit)
+            time.sleep(1e-4)
+
     # ------------------------------------------------------------------ KernelBackend
     def reset(self) -> None:
         self.pos = 0
@@ -711,12 +726,13 @@ class HopperBackend(KernelBackend):
         buf = self._alloc(n * V * 4)
         try:
             self._launch(tokens, start_pos, 1, SamplingParams(), logits_out=buf)
-            self._sync()
+            self._finish(start_pos + n, f"logits of {n} positions")
             out = np.empty((n, V), np.float32)
             check(self.drv.cuMemcpyDtoH(out.ctypes.data, buf, out.nbytes), "cuMemcpyDtoH(logits)")
         finally:
-            self.allocs.remove(buf)
-            self.drv.cuMemFree(buf)
+            if not getattr(self, "stuck", None):  # freeing would wait on the stuck kernel
+                self.allocs.remove(buf)
+                self.drv.cuMemFree(buf)
         return out
 
     def step(self, token: int, pos: int) -> np.ndarray:
