@@ -72,6 +72,7 @@ class HopperBackend(KernelBackend):
     name = "nvidia_hopper"
     tagged: dict = {}  # TAG_DOWN's tensors and their sizes (load sets them)
     tagged_parts: tuple = ()  # ATT_TAGS's partial buffers (load sets them)
+    stuck: str | None = None  # why the last launch never ended (_stuck_error): no launch after it
 
     def __init__(self, device: int = 0, **options):
         super().__init__(**options)
@@ -599,7 +600,7 @@ class HopperBackend(KernelBackend):
     # ------------------------------------------------------------------ launching
     def _launch(self, prompt: Sequence[int], start_pos: int, max_new: int, params: SamplingParams,
                 stop_ids=(), logits_out: int = 0, skip: int = 0):
-        if getattr(self, "stuck", None):  # a launch would queue behind the kernel that never ended
+        if self.stuck:  # a launch would queue behind the kernel that never ended
             raise KogError(f"{self.stuck}; restart the process to use the GPU again")
         drv = self.drv
         P = len(prompt)
@@ -730,7 +731,7 @@ class HopperBackend(KernelBackend):
             out = np.empty((n, V), np.float32)
             check(self.drv.cuMemcpyDtoH(out.ctypes.data, buf, out.nbytes), "cuMemcpyDtoH(logits)")
         finally:
-            if not getattr(self, "stuck", None):  # freeing would wait on the stuck kernel
+            if not self.stuck:  # freeing would wait on the stuck kernel
                 self.allocs.remove(buf)
                 self.drv.cuMemFree(buf)
         return out
@@ -758,7 +759,7 @@ class HopperBackend(KernelBackend):
             return
         self._launch(prompt, 0, int(stop.max_tokens), params, stop.stop_token_ids)
         seen = 0
-        done = stuck = False
+        done = False
         # no new token for this long is a kernel that will not finish (an error, not a hang): the
         # first token waits on the prompt's positions (token by token), each later one milliseconds
         limit, last = 60.0 + 0.05 * len(prompt), time.monotonic()
@@ -781,13 +782,12 @@ class HopperBackend(KernelBackend):
                 if r != self.drv.CUresult.CUDA_ERROR_NOT_READY:
                     check(r, "the nvidia_hopper kernel")
                 if time.monotonic() - last > limit:
-                    stuck = True
                     raise self._stuck_error(f"{seen} of at most {stop.max_tokens} tokens out", limit)
                 time.sleep(20e-6)
         finally:
             if not done:
                 self.cancel_view[0] = 1
-            if not stuck:
+            if not self.stuck:  # _stuck_error: synchronizing would wait forever
                 self._sync()
 
     def generate_timed(self, prompt_ids, params: SamplingParams, stop: StopCriteria):
@@ -804,21 +804,11 @@ class HopperBackend(KernelBackend):
         drv = self.drv
         e0 = check(drv.cuEventCreate(0)); e1 = check(drv.cuEventCreate(0))
         check(drv.cuEventRecord(e0, self.stream))
-        t_start = time.monotonic()
         self._launch(prompt, 0, n_tokens, SamplingParams(), skip=skip)
         check(drv.cuEventRecord(e1, self.stream))
-        # a deadline instead of cuEventSynchronize: a kernel whose wait never ends (session 29: a
-        # breakdown mask that skipped a tagged value's writer) is an error, not a hung benchmark
-        deadline = time.monotonic() + 60 + 0.05 * (len(prompt) + n_tokens)
-        while True:
-            r = drv.cuEventQuery(e1)[0]
-            if r == drv.CUresult.CUDA_SUCCESS:
-                break
-            if r != drv.CUresult.CUDA_ERROR_NOT_READY:
-                check(r, "the nvidia_hopper kernel")
-            if time.monotonic() > deadline:
-                raise self._stuck_error(f"a timed request of {n_tokens} tokens, skip mask {skip:#x}", deadline - t_start)
-            time.sleep(1e-4)
+        # _finish, not cuEventSynchronize: a kernel whose wait never ends (session 29: a breakdown
+        # mask that skipped a tagged value's writer) is an error, not a hung benchmark
+        self._finish(len(prompt) + n_tokens, f"a timed request of {n_tokens} tokens, skip mask {skip:#x}")
         return check(drv.cuEventElapsedTime(e0, e1)) / 1e3
 
     def bench_breakdown(self, prompt_ids, n_tokens, variants: dict | None = None) -> dict:
@@ -884,7 +874,7 @@ class HopperBackend(KernelBackend):
         return out
 
     def close(self) -> None:
-        if getattr(self, "stuck", None):  # freeing would wait on the kernel; the process's exit frees it
+        if self.stuck:  # freeing would wait on the kernel; the process's exit frees it
             self.allocs = []
             return
         for p in self.allocs:
