@@ -61,8 +61,9 @@ check)
     echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" | sha256sum -c --quiet && export KOG_TEST_GGUF=/tmp/smol.gguf && echo "SmolLM2 GGUF reassembled"
   fi
   echo "selfcheck: $(timeout 60 python3 -m kog_nvidia_hopper.selfcheck 2>&1 | tail -1 | cut -c1-300)"
-  # -v: each test's FAILED line as it happens, so a run cut by the timeout still names its failures
-  timeout ${CHECK_TIMEOUT:-320} python3 -m pytest -v -p no:cacheprovider -rs tests/gpu ${CHECK_K:+-k "$CHECK_K"} 2>&1 | tee $OUT/pytest.log | grep -E " passed| failed|FAILED|SKIPPED|Error" | cut -c1-300
+  # -v: each test's FAILED line as it happens, so a run cut by the timeout still names its failures;
+  # --durations: the slowest tests, to keep the suite inside one call
+  timeout ${CHECK_TIMEOUT:-320} python3 -m pytest -v -p no:cacheprovider -rs --durations=10 tests/gpu ${CHECK_K:+-k "$CHECK_K"} 2>&1 | tee $OUT/pytest.log | grep -E " passed| failed|FAILED|SKIPPED|Error|^[0-9.]+s (call|setup) " | cut -c1-300
   [ "${PIPESTATUS[0]}" = 124 ] && echo "pytest timed out after ${CHECK_TIMEOUT:-320} s: $(grep -c ' PASSED' $OUT/pytest.log) passed, $(grep -c ' FAILED' $OUT/pytest.log) failed so far" ;;
 bench)
   export PYTHONPATH=${SITE:-/tmp/site}
