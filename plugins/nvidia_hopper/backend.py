@@ -68,6 +68,12 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
+def _progress_limit(positions: int) -> float:
+    """Seconds without progress after which a running kernel is stuck (_stuck_error): a minute, and
+    50 ms more for each position it must run first (the prompt goes through token by token)."""
+    return 60.0 + 0.05 * positions
+
+
 class HopperBackend(KernelBackend):
     name = "nvidia_hopper"
     tagged: dict = {}  # TAG_DOWN's tensors and their sizes (load sets them)
@@ -703,7 +709,7 @@ class HopperBackend(KernelBackend):
     def _finish(self, positions: int, what: str) -> None:
         """Wait for the launch to end, as _sync, but a kernel still running after 60 s + 50 ms a
         position is an error (_stuck_error), not a hang."""
-        limit = 60.0 + 0.05 * positions
+        limit = _progress_limit(positions)
         t0 = time.monotonic()
         while True:
             r = self.drv.cuStreamQuery(self.stream)[0]
@@ -762,12 +768,12 @@ class HopperBackend(KernelBackend):
         done = False
         # no new token for this long is a kernel that will not finish (an error, not a hang): the
         # first token waits on the prompt's positions (token by token), each later one milliseconds
-        limit, last = 60.0 + 0.05 * len(prompt), time.monotonic()
+        limit, last = _progress_limit(len(prompt)), time.monotonic()
         try:
             while True:
                 n = int(self.cnt_view[0])
                 if n > seen:
-                    limit, last = 60.0, time.monotonic()
+                    limit, last = _progress_limit(0), time.monotonic()
                 while seen < n:
                     yield int(self.out_view[seen])
                     seen += 1
