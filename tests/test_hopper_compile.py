@@ -1726,3 +1726,81 @@ def test_every_poll_of_the_default_build_is_a_loop_in_its_machine_code():
         old = old.replace(new_text, old_text)
     folded = poll_loops(old, disassemble_source(old)[2])
     assert not all(looped for _, looped in folded) or len(folded) < 4, folded
+
+
+def _tag_x_stages(splitk: bool = True, carry: bool = False):
+    """bench-2b's stages tagged as the backend does with KOG_HOPPER_TAG_X=1 (after TAG_QKV / TAG_OPROJ)."""
+    from kog_nvidia_hopper import schedule as S
+    prog = _bench2b_program()
+    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1)
+    if splitk:
+        S.fuse_down_splitk(prog, stages, 32 * S.NW_DEFAULT, carry=carry)
+    for st in stages:
+        if st.type == "matvec":
+            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    S.tag_attention_inputs(prog, stages)
+    S.tag_attention_outputs(prog, stages)
+    return prog, stages, S.tag_residual_outputs(prog, stages)
+
+
+def _write_complete_when_counted(stages, prev: int, waited: int) -> bool:
+    """Whether every block has finished stage `prev` once all blocks have finished stage `waited`
+    (decode.cu): some stage j in (prev, waited] waits on a count at or after prev, and a block runs
+    its stages in order (schedule.stage_waits_on gives each stage's wait)."""
+    from kog_nvidia_hopper import schedule as S
+    return any((w := S.stage_waits_on(stages, j)) is not None and w >= prev for j in range(prev + 1, waited + 1))
+
+
+def test_tag_x_tags_every_o_proj_and_the_mlp_stages_whose_previous_x_is_tagged():
+    """schedule.tag_residual_outputs (KOG_HOPPER_TAG_X): on bench-2b (split-K MLP) every o_proj writes
+    x with MVF_TAG_OUT and MV_OTAG = write k | 27 << 16 (the embedding is write 0; the fused
+    down_projs leave x pending and do not count), its input's MV_TAG (TAG_OPROJ) untouched; the
+    split-K stage after it polls (MVF_TAG_IN, MV_TAG = that write) in layers 1-25, not in layer 0,
+    whose previous x is the untagged embedding. For every tagged reader the stage it then waits on
+    implies x's previous write is complete. With the MLP unfused the readers move to where that
+    holds; with SPLITK_CARRY (o_proj also starts the accumulator the MLP stage adds into) none."""
+    from kog_nvidia_hopper import schedule as S
+    prog, stages, out = _tag_x_stages()
+    assert out == ["x"]
+    oproj = [i for i, st in enumerate(stages) if st.type == "matvec" and st.f["MV_IN"] == "@att"]
+    assert len(oproj) == 26
+    for k, i in enumerate(oproj, start=1):
+        w, r = stages[i], stages[i + 1]
+        assert w.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_OUT"] and w.f["MV_OTAG"] == k | 27 << 16
+        assert w.f["MV_TAG"] == stages[i - 1].f["AT_OTAG"]  # TAG_OPROJ's input parity stays
+        assert r.f.get("_splitk")
+        assert bool(r.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]) == (k > 1)
+        if k > 1:
+            assert r.f["MV_TAG"] == w.f["MV_OTAG"] and S.stage_waits_on(stages, i + 1) == i - 1
+            assert _write_complete_when_counted(stages, oproj[k - 2], i - 1)
+    for splitk, carry in ((False, False), (True, True)):
+        prog, stages, out = _tag_x_stages(splitk, carry)
+        readers = [i for i, st in enumerate(stages) if st.type == "matvec"
+                   and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"] and st.f["MV_IN_MODE"] == S.CONSTS["IN_NORM"]]
+        if carry:
+            assert readers == []
+            continue
+        # the q/k/v stages of layers 1-25 and the LM head (gate/up's wait would not cover down_proj's write)
+        assert len(readers) == 26 and stages[readers[-1]].f["MV_FLAGS"] & S.CONSTS["MVF_LOGITS"]
+        writers = [i for i, st in enumerate(stages) if st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_OUT"]
+                   and st.f.get("MV_OTAG", 0) >> 16 == 53]
+        assert len(writers) == 52  # o_proj and down_proj, every layer
+        for r in readers:
+            prev = max(w for w in writers if w < r - 1)
+            assert stages[r].f["MV_TAG"] == stages[r - 1].f["MV_OTAG"]
+            assert _write_complete_when_counted(stages, prev, r - 2)
+
+
+def test_tag_x_build_compiles_clean_and_its_polls_are_loops():
+    """The TAG_X build (over the default) has no spills and every poll, x's included, is a load
+    with a branch back to it; the default build (TAG_X off) is unchanged by the code it adds."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
+    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
+    _compile_clean(**dict(DEFAULT_BUILD, TAG_X=1))
+    _nvdisasm_or_skip()
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.cuda_util import source
+    from kog_nvidia_hopper.sass_report import disassemble_source, poll_loops
+    src = source(S.header(dict(DEFAULT_BUILD, TAG_X=1)))
+    polls = poll_loops(src, disassemble_source(src)[2])
+    assert len(polls) >= 4 and all(looped for _, looped in polls), polls

@@ -295,6 +295,18 @@ class HopperBackend(KernelBackend):
         if explicit_oproj and not tagged_out:
             raise KogError("KOG_HOPPER_TAG_OPROJ=1 needs attention stages that combine their chunks and feed o_proj "
                            "alone (not KOG_HOPPER_ATTN_COMBINE=loader): unset KOG_HOPPER_TAG_OPROJ")
+        # KOG_HOPPER_TAG_X (session 31, an experiment, off): the MLP's normed stage takes x from o_proj
+        # when its values carry this write's parity, not after o_proj's count (schedule.tag_residual_outputs)
+        explicit_x = os.environ.get("KOG_HOPPER_TAG_X") == "1"
+        if explicit_x and x_cpasync:
+            raise KogError("KOG_HOPPER_TAG_X=1 polls the MLP's input on the register path: unset KOG_HOPPER_X_CPASYNC")
+        tag_x = bool(_env_int("KOG_HOPPER_TAG_X", 0, lo=0, hi=1)) and not x_cpasync
+        self.tag_x = bool(S.tag_residual_outputs(program, stages)) if tag_x else False
+        if explicit_x and not any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]
+                                  and st.f.get("MV_IN_MODE") == S.CONSTS["IN_NORM"] for st in stages):
+            raise KogError("KOG_HOPPER_TAG_X=1 needs a matvec that adds into x in place (o_proj) followed by a normed "
+                           "matvec reading x (a Llama-family model, not KOG_HOPPER_SPLITK_CARRY): unset KOG_HOPPER_TAG_X")
+        # (x is not marked stale before a launch: every tagged read of it follows a tagged write of the same token)
         self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv + tagged_out}  # buffer -> floats
         # sampled decoding (temperature > 0): on every block (sample_grid.cuh; default since session
         # 10) when each thread's share of the vocabulary fits its registers and the LM head leaves
@@ -430,6 +442,8 @@ class HopperBackend(KernelBackend):
             variant["TAG_QKV"] = 1
         if tagged_out:  # TAG_OPROJ (default since v31)
             variant["TAG_OPROJ"] = 1
+        if self.tag_x:  # KOG_HOPPER_TAG_X (session 31)
+            variant["TAG_X"] = 1
         if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)
             variant["SPLITK_DOWN"] = 1
         if self.carry:  # KOG_HOPPER_SPLITK_CARRY

@@ -36,6 +36,7 @@ SLOTS = dict(
     MV_PACKED=65, MV_ATTN=66, MV_TAG=67,
     MV_ACC=68, MV_PEND=69, MV_RES_PEND=70, MV_ACC_D=71,  # split-K down_proj (fuse_down_splitk)
     MV_CARRY_OUT=72,  # fuse_down_splitk(carry=True): the accumulator x's writer also fills
+    MV_OTAG=73,  # the parity a stage writes its outputs with (TAG_X: MV_TAG is then its input's)
     SEG_W=0, SEG_WL=1, SEG_N=2, SEG_OUT=3, SEG_OUTL=4, SEG_BIAS=5, SEG_BIASL=6, SEG_RES=7,
     SEG_RESL=8, SEG_W2=9, SEG_LRX=10, SEG_LRD=11,
     # attention
@@ -451,7 +452,7 @@ def tag_pair_outputs(P, stages) -> list[str]:
         for k, (st, nx, n) in enumerate(mine):
             st.f["MV_FLAGS"] |= CONSTS["MVF_TAG_OUT"]
             nx.f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
-            st.f["MV_TAG"] = nx.f["MV_TAG"] = k | (n << 16)
+            st.f["MV_TAG"] = st.f["MV_OTAG"] = nx.f["MV_TAG"] = k | (n << 16)
     return tagged
 
 
@@ -491,7 +492,7 @@ def tag_attention_inputs(P, stages) -> list[str]:
     n = len(found)
     for k, (pv, st, _) in enumerate(found):
         pv.f["MV_FLAGS"] |= CONSTS["MVF_TAG_OUT"]
-        pv.f["MV_TAG"] = st.f["AT_TAG"] = k | (n << 16)
+        pv.f["MV_TAG"] = pv.f["MV_OTAG"] = st.f["AT_TAG"] = k | (n << 16)
     return list(bufs)
 
 
@@ -529,6 +530,80 @@ def tag_attention_outputs(P, stages) -> list[str]:
         nx.f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
         nx.f["MV_TAG"] = at.f["AT_OTAG"] = k | (n << 16)
     return [out]
+
+
+def stage_waits_on(stages, j: int) -> int | None:
+    """The stage whose completion count stage j waits on (decode.cu): j - 1 (-1: the previous
+    token's last), j - 2 for a matvec taking a tagged input row (MVF_TAG_IN), none for an attention
+    that polls its tagged q / k / v (AT_TAG)."""
+    st = stages[j]
+    if st.type == "matvec" and st.f.get("MV_FLAGS", 0) & CONSTS["MVF_TAG_IN"]:
+        return j - 2
+    if st.type == "attn" and st.f.get("AT_TAG"):
+        return None
+    return j - 1
+
+
+def tag_residual_outputs(P, stages) -> list[str]:
+    """KOG_HOPPER_TAG_X (matvec.cuh TAG_X): readiness in the data for the residual stream x between
+    a matvec that adds into it in place (o_proj: x += W_o a) and the normed matvec right after it
+    (gate/up, or the split-K MLP stage). The writer stores x with this write's parity (MVF_TAG_OUT,
+    MV_OTAG = write k | writes a token n << 16); the reader (MVF_TAG_IN, MV_TAG) waits on the stage
+    two back instead of the writer and polls each value of its row until it carries the parity.
+
+    A reader is tagged only where that is safe:
+    - x's previous write (k - 1) is a tagged write of this token (a value of write k - 2 would carry
+      write k's parity; the embedding's write is not tagged, so layer 0's reader keeps its wait);
+    - the completion of the stage it waits on implies write k - 1 is complete in every block: some
+      stage j after write k - 1's writer, up to that stage, waits on a count at or after the writer
+      (a block finishes its stages in order, so all blocks counted there finished that write);
+    - the writer does not also write a split-K accumulator that the reader adds into
+      (SPLITK_CARRY's carry-out), and the writer writes all of x (one unlaned segment of K rows).
+    Write k counts the writes that reach x itself: a split-K stage's fused down_proj is not one.
+    Writers of a write whose reader was not tagged are still tagged (the bit costs nothing), so the
+    next reader can rely on their parity. Call after the other tag_* passes (it reads their waits).
+    Returns the tagged tensors (not marked stale before a launch: no tagged read depends on a
+    value from before it)."""
+    found = []
+    for i in range(1, len(stages)):
+        wr, rd = stages[i - 1], stages[i]
+        if wr.type != "matvec" or rd.type != "matvec" or len(wr.segs) != 1 or wr.f["MV_L"] != 1 or rd.f["MV_L"] != 1:
+            continue
+        sg = wr.segs[0]
+        x = sg["out_name"]
+        if sg["SEG_W2"] or sg.get("SEG_RES") != "@" + x or wr.f["MV_FLAGS"] & CONSTS["MVF_TAG_OUT"]:
+            continue
+        if rd.f.get("MV_IN") != "@" + x or rd.f["MV_IN_MODE"] != CONSTS["IN_NORM"] or rd.f.get("_pend_in") is not None:
+            continue
+        if sg["SEG_N"] != rd.f["MV_K"] or P.tensors[x].numel != rd.f["MV_K"]:
+            continue
+        found.append((i - 1, i, x))
+    if not found or len({x for *_, x in found}) != 1:
+        return []
+    x = found[0][2]
+    # the writes of x a token, in order: a split-K stage's down_proj does not write it (its sum stays
+    # pending in the accumulator until o_proj's residual writes x, fuse_down_splitk)
+    pending = {j for st in stages if st.f.get("_splitk") for j in st.ops}
+    writes = [j for j, op in enumerate(P.ops) if x in op.outputs and j not in pending]
+    n = len(writes)
+    stage_of_write = {}
+    for w, _, _ in found:
+        k = writes.index(max(j for j in stages[w].ops if x in P.ops[j].outputs))
+        stage_of_write[k] = w
+        stages[w].f["MV_FLAGS"] |= CONSTS["MVF_TAG_OUT"]
+        stages[w].f["MV_OTAG"] = k | (n << 16)
+    for w, r, _ in found:
+        k = stages[w].f["MV_OTAG"] & 0xFFFF
+        prev = stage_of_write.get(k - 1)
+        if prev is None or prev >= w or stages[w].f.get("_carry_out") is not None:
+            continue
+        # the reader will wait on stage r - 2: is write k - 1 complete everywhere once that is counted?
+        waited = [stage_waits_on(stages, j) for j in range(prev + 1, r - 1)]
+        if not any(ws is not None and ws >= prev for ws in waited):
+            continue
+        stages[r].f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
+        stages[r].f["MV_TAG"] = k | (n << 16)
+    return [x]
 
 
 ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K")

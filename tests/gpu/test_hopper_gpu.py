@@ -610,3 +610,40 @@ def test_benchmark_breakdown_finishes_with_the_tags_on(name):
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=40, seed=3, max_tokens=16)
     finally:
         hb.close()
+
+
+TAG_X_SETTINGS = {"split-K MLP": {}, "unfused MLP": {"KOG_HOPPER_SPLITK_DOWN": "0"},
+                  "unfused, TAG_DOWN": {"KOG_HOPPER_SPLITK_DOWN": "0", "KOG_HOPPER_TAG_DOWN": "1"}}
+
+
+@pytest.mark.parametrize("layout", list(TAG_X_SETTINGS))
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tag_x_matches_reference(name, layout, monkeypatch):
+    """KOG_HOPPER_TAG_X=1 (session 31, an experiment): o_proj writes x with this write's parity and
+    the normed stage after it (the split-K MLP stage; with the MLP unfused, gate/up or the next
+    q/k/v stage, whichever schedule.tag_residual_outputs finds safe) takes x when its values carry
+    it, instead of after o_proj's count. Logits at every position and greedy tokens match the
+    reference over several launches, seeded sampling repeats (llama), and some reader polls."""
+    if name not in SMALL:
+        pytest.skip(f"no small model {name!r}")
+    from kog_nvidia_hopper import schedule as S
+    def check(hb, prog):
+        assert hb.variant.get("TAG_X") == 1 and hb.tag_x
+        assert any(st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"] and st.f["MV_IN_MODE"] == S.CONSTS["IN_NORM"]
+                   for st in hb.stages if st.type == "matvec")
+    _matches_reference_with(name, monkeypatch, dict(TAG_X_SETTINGS[layout], KOG_HOPPER_TAG_X="1"), check)
+
+
+@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
+def test_tag_x_on_the_benchmark_presets(preset, monkeypatch):
+    """KOG_HOPPER_TAG_X=1 at the presets' own shapes (132 blocks polling x written by 132 o_proj
+    blocks): as test_benchmark_preset_matches_reference."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_X", "1")
+    test_benchmark_preset_matches_reference(preset)
+
+
+def test_benchmark_breakdown_finishes_with_tag_x(monkeypatch):
+    """The breakdown's masks with KOG_HOPPER_TAG_X=1 (a mask that skips o_proj must not leave the MLP
+    stage polling for x): every mask finishes and a request after them matches the reference."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_X", "1")
+    test_benchmark_breakdown_finishes_with_the_tags_on("llama")

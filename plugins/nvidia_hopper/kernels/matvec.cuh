@@ -108,7 +108,22 @@ __device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_pa
 #ifndef TAG_OPROJ
 #define TAG_OPROJ 0
 #endif
-#define TAG_IN (TAG_DOWN || TAG_OPROJ)  // some matvec stage may take a tagged input row
+// TAG_X (an experiment, off; KOG_HOPPER_TAG_X=1; schedule.tag_residual_outputs): readiness in the
+// data for the residual stream between o_proj and the MLP. o_proj stores x with the parity of this
+// write (MVF_TAG_OUT, its parity from MV_OTAG: MV_TAG already holds its input's, TAG_OPROJ), and the
+// gate/up stage after it (MVF_TAG_IN, a normed input row) waits on the attention's count instead of
+// o_proj's, then polls each float4 of x before it enters the sum of squares. Takes o_proj's release
+// (a matvec stage's fence, 1.0-1.4 us) and the counter's round trip off every layer's boundary.
+#ifndef TAG_X
+#define TAG_X 0
+#endif
+#if TAG_X && X_CPASYNC
+#error "TAG_X checks the input's parity on the register path only: not with X_CPASYNC"
+#endif
+#define TAG_IN (TAG_DOWN || TAG_OPROJ || TAG_X)  // some matvec stage may take a tagged input row
+// the parity a stage writes its outputs with: MV_OTAG where a stage's input and output are both
+// tagged (TAG_X's o_proj); the same value as MV_TAG otherwise (schedule sets both)
+__device__ __forceinline__ u32 tag_out_parity(const i64* st, int it) { return tag_parity_of((u32)st[TAG_X ? MV_OTAG : MV_TAG], it); }
 #if TAG_OPROJ && X_CPASYNC
 #error "TAG_OPROJ checks the input's parity on the register path only: not with X_CPASYNC"
 #endif
@@ -346,6 +361,11 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             }
 #endif
             const bool defer = DEFER_NORM && (mode & IN_NORM);
+#if TAG_X
+            const bool held = tagged && (mode & IN_NORM);  // TAG_X: summed after the stale values are re-read (below)
+#else
+            constexpr bool held = false;
+#endif
             if (defer && NORM_SMEM && nws && base == 0) cp_wait_all();  // this thread's own norm-weight copies
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
@@ -361,14 +381,16 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                         v[u].z += fix2f(pa[u][1].a); v[u].w += fix2f(pa[u][1].b);
                     }
 #endif
-                    ss = add_sq4(v[u], ss);
-                    if (defer) mul_w4(v[u], norm_w4(nws, wpre, nw, i, u));  // x * w now, the division by d in the epilogue
+                    if (!held) {
+                        ss = add_sq4(v[u], ss);
+                        if (defer) mul_w4(v[u], norm_w4(nws, wpre, nw, i, u));  // x * w now, the division by d in the epilogue
+                    }
                     *x_f4(x, K, i) = v[u];
                 }
             }
         }
     }
-    if (TAG_IN && tagged) {  // TAG_DOWN / TAG_OPROJ: re-read this thread's stale float4s (a plain input: no norm sum)
+    if (TAG_IN && tagged) {  // TAG_DOWN / TAG_OPROJ / TAG_X: re-read this thread's stale float4s
         // (one float4 at a time: re-reading a whole batch in flight each round measured 0.9% slower
         // than the default in session 11, where this version was +0.3% in session 10: the rounds'
         // re-reads of the whole row load L2 while the rings stream)
@@ -387,6 +409,18 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             const u32 tw = (u32)st[MV_TAG];
             tag_check("in.x", c.chk_s, c.it, 4 * i, v.x, w.x, tw, par); tag_check("in.y", c.chk_s, c.it, 4 * i + 1, v.y, w.y, tw, par);
             tag_check("in.z", c.chk_s, c.it, 4 * i + 2, v.z, w.z, tw, par); tag_check("in.w", c.chk_s, c.it, 4 * i + 3, v.w, w.w, tw, par);
+        }
+#endif
+#if TAG_X
+        if (mode & IN_NORM) {  // the sum of squares (and x * w) now that each value is this write's: the
+            // float4s this thread stored, in the loader's order, so the sum has the untagged build's bits
+#pragma unroll 1
+            for (int i = tid, u = 0; i < K4; i += NT, ++u) {
+                float4* p = x_f4(x, K, i);
+                float4 v = *p;
+                ss = add_sq4(v, ss);
+                if (DEFER_NORM) { mul_w4(v, norm_w4(nws, wpre, nw, i, u)); *p = v; }
+            }
         }
 #endif
     }
@@ -634,7 +668,7 @@ __device__ __forceinline__ void mv_emit_pair(float* out, int r0, int r1, bool vb
                                              int flags, float& best, int& bidx, i64* cout = nullptr, int tagp = -1) {
     if (bias) { y0 += b0; if (vb) y1 += b1; }
     if (res) { y0 += e0; if (vb) y1 += e1; }
-#if TAG_QKV
+#if TAG_QKV || TAG_X
     if (tagp >= 0) { y0 = with_parity(y0, (u32)tagp); y1 = with_parity(y1, (u32)tagp); }  // the value says it is this write's
 #endif
     out[r0] = y0;
@@ -681,8 +715,8 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
     i64* cout = nullptr;
 #endif
 #endif
-#if TAG_QKV
-    const int tagp = (flags & MVF_TAG_OUT) ? (int)tag_parity(st, c.it) : -1;  // once a stage: c.it lives in local memory
+#if TAG_QKV || TAG_X
+    const int tagp = (flags & MVF_TAG_OUT) ? (int)tag_out_parity(st, c.it) : -1;  // once a stage: c.it lives in local memory
 #else
     const int tagp = -1;
 #endif
@@ -770,7 +804,7 @@ __device__ __forceinline__ void mv_items(Ctx& c, u32& q, const i64* st, int nite
         if (pair) {
             const float hv = acc0 / (1.0f + expf(-acc0)) * acc1;
             if (HS) hrow[r0 - ra + warp] = hv;
-            else out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_parity(st, c.it)) : hv;
+            else out[r0 - ra + warp] = TAG_DOWN && (flags & MVF_TAG_OUT) ? with_parity(hv, tag_out_parity(st, c.it)) : hv;
             continue;
         }
 #if SPLITK_DOWN
