@@ -1804,3 +1804,33 @@ def test_tag_x_build_compiles_clean_and_its_polls_are_loops():
     src = source(S.header(dict(DEFAULT_BUILD, TAG_X=1)))
     polls = poll_loops(src, disassemble_source(src)[2])
     assert len(polls) >= 4 and all(looped for _, looped in polls), polls
+
+
+def test_splitk_count_marks_the_loader_after_each_split_k_stage():
+    """schedule.count_splitk_inputs (KOG_HOPPER_SPLITK_COUNT): on bench-2b the loader that reads each
+    split-K stage's accumulator right after it (q/k/v of layers 1-25, the LM head) gets
+    MVF_COUNT_IN, so it waits on the stage before the split-K stage (o_proj, x's last writer) and
+    nothing else does; with the carry form (o_proj starts the accumulator) no loader. The build
+    (with TAG_X too) has no spills, and its count polls are loads with a branch back."""
+    from kog_nvidia_hopper import schedule as S
+    prog, stages, _ = _tag_x_stages()
+    assert S.count_splitk_inputs(stages) == 26
+    readers = [i for i, st in enumerate(stages) if st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_COUNT_IN"]]
+    assert len(readers) == 26 and stages[readers[-1]].f["MV_FLAGS"] & S.CONSTS["MVF_LOGITS"]
+    for i in readers:
+        assert stages[i - 1].f["_acc"] == stages[i].f["_pend_in"]
+        assert stages[i - 2].f["MV_IN"] == "@att"  # o_proj: x's last write before the loader
+    _, carried, _ = _tag_x_stages(carry=True)
+    assert S.count_splitk_inputs(carried) == 0
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
+    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
+    _compile_clean(**dict(DEFAULT_BUILD, SPLITK_COUNT=1))
+    for bad in (dict(SPLITK_CARRY=1), dict(SPLITK_BULK=1, SPLITK_STAGE_OFF=14336)):  # refused at compile time
+        with pytest.raises(KogError, match="SPLITK_COUNT"):
+            _compile(**DEFAULT_BUILD, SPLITK_COUNT=1, **bad)
+    _nvdisasm_or_skip()
+    from kog_nvidia_hopper.cuda_util import source
+    from kog_nvidia_hopper.sass_report import disassemble_source, poll_loops
+    src = source(S.header(dict(DEFAULT_BUILD, SPLITK_COUNT=1, TAG_X=1)))
+    polls = poll_loops(src, disassemble_source(src)[2])
+    assert len(polls) >= 6 and all(looped for _, looped in polls), polls

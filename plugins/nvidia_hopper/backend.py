@@ -195,6 +195,14 @@ class HopperBackend(KernelBackend):
         if self.splitk_perm and (not self.splitk or self.splitk_bulk):
             raise KogError("KOG_HOPPER_SPLITK_PERM=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
                            "and not KOG_HOPPER_SPLITK_BULK: unset one of them")
+        # KOG_HOPPER_SPLITK_COUNT (session 31, an experiment, off): each accumulator word counts its
+        # adds in its low 8 bits, and the loader after the split-K stage polls the counts instead of
+        # waiting on the stage's count (matvec.cuh SPLITK_COUNT; the sum at 2^-24 instead of 2^-32)
+        self.splitk_count = bool(_env_int("KOG_HOPPER_SPLITK_COUNT", 0, lo=0, hi=1))
+        if self.splitk_count and (not self.splitk or want_pairs or want_bulk or self.carry or self.nb > 255):
+            raise KogError("KOG_HOPPER_SPLITK_COUNT=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
+                           "summed by plain atomics (not KOG_HOPPER_SPLITK_PAIRS, _BULK or _CARRY) on fewer than 256 SMs: "
+                           "unset KOG_HOPPER_SPLITK_COUNT")
         if self.splitk_bulk and self.pairs:
             raise KogError("KOG_HOPPER_SPLITK_BULK=1 and KOG_HOPPER_SPLITK_PAIRS=1 are two forms of the same "
                            "sum: set one of them")
@@ -307,6 +315,8 @@ class HopperBackend(KernelBackend):
             raise KogError("KOG_HOPPER_TAG_X=1 needs a matvec that adds into x in place (o_proj) followed by a normed "
                            "matvec reading x (a Llama-family model, not KOG_HOPPER_SPLITK_CARRY): unset KOG_HOPPER_TAG_X")
         # (x is not marked stale before a launch: every tagged read of it follows a tagged write of the same token)
+        if self.splitk_count and not S.count_splitk_inputs(stages):
+            raise KogError("KOG_HOPPER_SPLITK_COUNT=1 found no loader right after a split-K stage: unset KOG_HOPPER_SPLITK_COUNT")
         self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv + tagged_out}  # buffer -> floats
         # sampled decoding (temperature > 0): on every block (sample_grid.cuh; default since session
         # 10) when each thread's share of the vocabulary fits its registers and the LM head leaves
@@ -345,6 +355,9 @@ class HopperBackend(KernelBackend):
         # gate/up and down), so the stage ends with its last unit, not with its slowest block's share
         # (schedule.pool_rows, stream.cuh DYN_POOL)
         pool_pct = _env_int("KOG_HOPPER_POOL", 0, lo=0, hi=50)
+        if pool_pct and self.splitk_count:
+            raise KogError("KOG_HOPPER_SPLITK_COUNT counts the split-K stage's adds without a pool: unset KOG_HOPPER_POOL "
+                           "or KOG_HOPPER_SPLITK_COUNT")
         if pool_pct and (self.pairs or self.splitk_bulk or _env_int("KOG_HOPPER_COPY_LSU", 0, lo=0, hi=1)):
             raise KogError("KOG_HOPPER_POOL sums split-K partials with red instructions and ends a pool with a plain "
                            "arrive: unset KOG_HOPPER_SPLITK_PAIRS, KOG_HOPPER_SPLITK_BULK and KOG_HOPPER_COPY_LSU, "
@@ -444,6 +457,8 @@ class HopperBackend(KernelBackend):
             variant["TAG_OPROJ"] = 1
         if self.tag_x:  # KOG_HOPPER_TAG_X (session 31)
             variant["TAG_X"] = 1
+        if self.splitk_count:  # KOG_HOPPER_SPLITK_COUNT (session 31)
+            variant["SPLITK_COUNT"] = 1
         if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)
             variant["SPLITK_DOWN"] = 1
         if self.carry:  # KOG_HOPPER_SPLITK_CARRY

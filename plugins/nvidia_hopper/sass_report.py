@@ -220,7 +220,8 @@ def report_same_loop(base: dict, variant: dict) -> list[str]:
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA\b.*`\((\.L_x_\d+)\)")
-POLL_ASM = ("ld.relaxed.gpu.global.f32", "ld.relaxed.gpu.global.v4.f32")  # ld_poll, ld_poll4 (common.cuh)
+POLL_ASM = ("ld.relaxed.gpu.global.f32", "ld.relaxed.gpu.global.v4.f32",  # ld_poll, ld_poll4 (common.cuh)
+            "ld.relaxed.gpu.global.v2.s64")  # ld_poll_i64x2
 
 
 def poll_loops(src: str, sass: str, window: int = 16) -> list[tuple[str, bool]]:

@@ -57,7 +57,7 @@ CONSTS = dict(
     SG_ROUNDS=24,  # the grid sampler's rounds a token at most (sample_grid.cuh: 3 selects of 8 passes)
     SAMPLE_CAP=2048,  # block 0's sampler (sample.cuh radix_select): candidates listed in shared memory once that few
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
-    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64, MVF_CARRY=128, MVF_POOL=256,
+    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64, MVF_CARRY=128, MVF_POOL=256, MVF_COUNT_IN=512,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
     OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
 )
@@ -604,6 +604,27 @@ def tag_residual_outputs(P, stages) -> list[str]:
         stages[r].f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
         stages[r].f["MV_TAG"] = k | (n << 16)
     return [x]
+
+
+def count_splitk_inputs(stages) -> int:
+    """KOG_HOPPER_SPLITK_COUNT (matvec.cuh SPLITK_COUNT): readiness in the data for the split-K sum.
+    The loader that reads a split-K stage's accumulator as its pending row right after it (the next
+    layer's q/k/v stage, or the LM head) gets MVF_COUNT_IN: it waits on the stage before the split-K
+    stage and re-reads each accumulator word until the low 8 bits count every block's add. Its other
+    input, x, is not written by the split-K stage (its sum stays pending), so x's last write is in a
+    stage at or before the one it waits on, complete once that stage's count is. The accumulator of a
+    token's parity is zeroed by the split-K stage a token before (fuse_down_splitk), which every
+    block finished before this token's adds, so no count is stale. Returns the number of readers."""
+    n = 0
+    for i in range(2, len(stages)):
+        st, sk = stages[i], stages[i - 1]
+        if st.type != "matvec" or st.f.get("_pend_in") is None or sk.f.get("_acc") != st.f["_pend_in"]:
+            continue
+        if sk.f.get("_carry_out") is not None or st.f.get("_carry") or st.f["MV_FLAGS"] & CONSTS["MVF_TAG_IN"]:
+            continue
+        st.f["MV_FLAGS"] |= CONSTS["MVF_COUNT_IN"]
+        n += 1
+    return n
 
 
 ATTENTION_SHAPE_FIELDS = ("L", "H", "HKV", "HD", "T", "MAXCH", "ROPE_Q", "ROPE_K")

@@ -647,3 +647,40 @@ def test_benchmark_breakdown_finishes_with_tag_x(monkeypatch):
     stage polling for x): every mask finishes and a request after them matches the reference."""
     monkeypatch.setenv("KOG_HOPPER_TAG_X", "1")
     test_benchmark_breakdown_finishes_with_the_tags_on("llama")
+
+
+@pytest.mark.parametrize("with_tag_x", [False, True])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+def test_splitk_count_matches_reference(name, with_tag_x, monkeypatch):
+    """KOG_HOPPER_SPLITK_COUNT=1 (session 31, an experiment): each split-K accumulator word counts
+    its adds in its low 8 bits and the loader after the split-K stage (the next q/k/v stage, the LM
+    head) polls the counts instead of waiting on the stage's count; alone and with TAG_X (the stage
+    before it polls x). Logits at every position and greedy tokens match the reference over several
+    launches, seeded sampling repeats (llama: the sum is still exact and order-free)."""
+    if name not in SMALL:
+        pytest.skip(f"no small model {name!r}")
+    from kog_nvidia_hopper import schedule as S
+    settings = {"KOG_HOPPER_SPLITK_COUNT": "1", **({"KOG_HOPPER_TAG_X": "1"} if with_tag_x else {})}
+    def check(hb, prog):
+        assert hb.variant.get("SPLITK_COUNT") == 1 and hb.variant.get("TAG_X", 0) == int(with_tag_x)
+        readers = [st for st in hb.stages if st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_COUNT_IN"]]
+        assert len(readers) == prog.n_layers  # the q/k/v stages of layers 1.. and the LM head
+    _matches_reference_with(name, monkeypatch, settings, check)
+
+
+@pytest.mark.parametrize("preset", ["bench-2b", "llama-3.2-1b"])
+def test_splitk_count_on_the_benchmark_presets(preset, monkeypatch):
+    """KOG_HOPPER_SPLITK_COUNT=1 with TAG_X at the presets' own shapes (every block's 2,048 words
+    polled for 132 adds): as test_benchmark_preset_matches_reference."""
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_COUNT", "1")
+    monkeypatch.setenv("KOG_HOPPER_TAG_X", "1")
+    test_benchmark_preset_matches_reference(preset)
+
+
+def test_benchmark_breakdown_finishes_with_splitk_count(monkeypatch):
+    """The breakdown's masks with KOG_HOPPER_SPLITK_COUNT=1 and TAG_X (a mask that skips the split-K
+    stage must not leave a loader polling for its counts): every mask finishes and a request after
+    them matches the reference."""
+    monkeypatch.setenv("KOG_HOPPER_SPLITK_COUNT", "1")
+    monkeypatch.setenv("KOG_HOPPER_TAG_X", "1")
+    test_benchmark_breakdown_finishes_with_the_tags_on("llama")

@@ -32,6 +32,12 @@ __device__ __forceinline__ float4 ld_poll4(const float4* p) {
     asm volatile("ld.relaxed.gpu.global.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p) : "memory");
     return r;
 }
+struct I64x2 { i64 a, b; };
+__device__ __forceinline__ I64x2 ld_poll_i64x2(const i64* p) {  // two int64s (SPLITK_COUNT's accumulators)
+    I64x2 r;
+    asm volatile("ld.relaxed.gpu.global.v2.s64 {%0,%1}, [%2];" : "=l"(r.a), "=l"(r.b) : "l"(p) : "memory");
+    return r;
+}
 __device__ __forceinline__ i64 ldi64(const i64* p) {
     i64 r;
     asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(r) : "l"(p));

@@ -218,6 +218,8 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             // whose input values say when they are ready, the stage before their writer
             int ws = s - 1;
             if (TAG_IN && type == ST_MATVEC && ((int)st[MV_FLAGS] & MVF_TAG_IN) && polls_on(c)) ws = s - 2;
+            // SPLITK_COUNT: the pending sum's words count their adds, so not the split-K stage's count either
+            if (SPLITK_COUNT && type == ST_MATVEC && ((int)st[MV_FLAGS] & MVF_COUNT_IN) && polls_on(c)) ws = s - 2;
             const u32* wctr = ws >= 0 ? counters + ws : counters + nst - 1;
             u32 wtarget = (c.skipmask >> 6) & 1 ? 0u : ws >= 0 ? nb * (u32)(it + 1) : nb * (u32)it;  // bit 6: stream only
             // the tiles poll their inputs' parity instead (TAG_QKV_WAIT=1 keeps the wait as well: a

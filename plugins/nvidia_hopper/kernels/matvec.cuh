@@ -220,20 +220,42 @@ __shared__ u64 pair_bar;  // one phase a split-K stage: the partner's partials o
 #error "SPLITK_DOWN adds the pending sums on the register path only: not with X_CPASYNC"
 #endif
 static_assert(XV >= PEND_V, "the pending sums are added in the loader's first batch");
+// SPLITK_COUNT (with SPLITK_DOWN; KOG_HOPPER_SPLITK_COUNT, an experiment; schedule.count_splitk_inputs):
+// readiness in the data for the split-K sum. Every block adds to every accumulator word (a block
+// without down items adds zeros) its partial rounded to 2^-24 in the upper 56 bits plus 1 in the
+// low 8: a word whose low 8 bits read gridDim.x (< 256) holds every block's partial, since adds to
+// one word are seen in one order. The loader of the pending row after the split-K stage
+// (MVF_COUNT_IN: the next q/k/v stage, or the LM head) waits on the stage before the split-K stage
+// instead of it and re-reads each word until its count is complete: the split-K stage's release
+// (a matvec stage's fence, 1.0-1.4 us) and the counter's round trip leave the layer's boundary. The
+// sum stays exact and order-free (the same bits whatever order the blocks add in), at 2^-24
+// instead of 2^-32; the readers drop the count (fix2f).
+#ifndef SPLITK_COUNT
+#define SPLITK_COUNT 0
+#endif
+#if SPLITK_COUNT && (!SPLITK_DOWN || SPLITK_PAIRS || SPLITK_BULK || SPLITK_CARRY || DYN_POOL || (DEBUG_SPLITK & 1))
+#error "SPLITK_COUNT counts the plain split-K atomics: with SPLITK_DOWN, not PAIRS, BULK, CARRY, a pool or DEBUG_SPLITK bit 0"
+#endif
 __device__ __forceinline__ i64 f2fix(float v) {  // round to nearest in units of 2^-32 (schedule.FIX_BITS)
     i64 r;
+#if SPLITK_COUNT
+    asm("cvt.rni.s64.f32 %0, %1;" : "=l"(r) : "f"(v * 16777216.0f));  // 2^-24, then this block's count
+    return (i64)((u64)r << 8) + 1;
+#else
     asm("cvt.rni.s64.f32 %0, %1;" : "=l"(r) : "f"(v * 4294967296.0f));
     return r;
+#endif
 }
 __device__ __forceinline__ float fix2f(i64 v) {
     float r;
-    asm("cvt.rn.f32.s64 %0, %1;" : "=f"(r) : "l"(v));
+    asm("cvt.rn.f32.s64 %0, %1;" : "=f"(r) : "l"(SPLITK_COUNT ? v & ~255LL : v));  // (the count dropped)
     return r * 2.3283064365386963e-10f;  // 2^-32: exact
 }
+// SPLITK_COUNT: whether both words carry every block's add
+__device__ __forceinline__ bool counted(I64x2 v, u32 nb) { return ((u32)v.a & 255u) == nb && ((u32)v.b & 255u) == nb; }
 __device__ __forceinline__ void red_add_i64(i64* p, i64 v) {  // two's complement: the u64 add is the s64 add
     asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
-struct I64x2 { i64 a, b; };
 __device__ __forceinline__ I64x2 ldcg_i64x2(const i64* p) {  // written inside the launch: at L2
     I64x2 r;
     asm volatile("ld.global.cg.v2.s64 {%0,%1}, [%2];" : "=l"(r.a), "=l"(r.b) : "l"(p));
@@ -329,6 +351,9 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
         const i64* pend = DEBUG_SPLITK & 2 ? nullptr : acc_of(st, MV_PEND, c.it);
         // SPLITK_CARRY: the accumulator holds x + the partials, so x itself is not read
         const bool carried = SPLITK_CARRY && pend && ((int)st[MV_FLAGS] & MVF_CARRY);
+        // SPLITK_COUNT: this loader polls the accumulator's counts (not under the benchmark's masks
+        // that skip its writer or the waits: polls_on)
+        const bool counting = SPLITK_COUNT && ((int)st[MV_FLAGS] & MVF_COUNT_IN) && polls_on(c);
         I64x2 pa[PEND_V][2];
 #endif
         for (int base = 0; base < K4; base += XV * NT) {
@@ -375,6 +400,12 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                         const u32 ex = __float_as_uint(v[u].x), ey = __float_as_uint(v[u].y);
                         v[u] = make_float4(bf_lo(ex), bf_hi(ex), bf_lo(ey), bf_hi(ey));
                     }
+#if SPLITK_COUNT
+                    if (counting && pend && u < PEND_V && base == 0) {  // every block's add in each word
+                        while (!counted(pa[u][0], gridDim.x)) pa[u][0] = ld_poll_i64x2(pend + acc_ix(4 * i));
+                        while (!counted(pa[u][1], gridDim.x)) pa[u][1] = ld_poll_i64x2(pend + acc_ix(4 * i + 2));
+                    }
+#endif
 #if SPLITK_DOWN
                     if (pend && u < PEND_V && base == 0) {  // x + acc: the residual as it stands
                         v[u].x += fix2f(pa[u][0].a); v[u].y += fix2f(pa[u][0].b);
@@ -909,6 +940,7 @@ __device__ __forceinline__ void mv_down_items(Ctx& c, u32& q, const i64* st, int
         asm volatile("fence.proxy.async.global;" ::: "memory");    // and ordered before the release
     }
 #else
+    if (SPLITK_COUNT) n8 = (int)st[MV_ACC_D] >> 3;  // a block without down items adds its zeros and its count
     if (tid < n8) { ((float4*)xs)[2 * tid] = make_float4(a0[0], a0[1], a0[2], a0[3]);
                     ((float4*)xs)[2 * tid + 1] = make_float4(a0[4], a0[5], a0[6], a0[7]); }
     if (tid + NT < n8) { ((float4*)xs)[2 * (tid + NT)] = make_float4(a1[0], a1[1], a1[2], a1[3]);
