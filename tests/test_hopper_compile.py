@@ -1026,12 +1026,13 @@ def test_signal_bar_build_uses_a_third_barrier():
 def test_sass_report_builds_the_default():
     """sass_report's build is the backend's default for bench-2b: the compile tests' DEFAULT plus
     the ring, bench-2b's attention shapes and the split-K MLP (it lagged behind twice: three
-    versions, then v28's SPLITK_DOWN until session 25; v31's tags)."""
+    versions, then v28's SPLITK_DOWN until session 25; v31's and v32's tags)."""
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
     shapes = dict(_bench2b_shape_consts())
     assert DEFAULT_BUILD == dict(DEFAULT, **shapes, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, PREFETCH=0,
                                  SPLITK_DOWN=1,  # a Llama-family model's MLP (v28)
-                                 TAG_QKV=1, TAG_OPROJ=1)  # readiness in the data around the attention (v31)
+                                 TAG_QKV=1, TAG_OPROJ=1,  # readiness in the data around the attention (v31)
+                                 TAG_X=1)  # and for x between o_proj and the MLP (v32)
     _compile_clean(**DEFAULT_BUILD)  # within the register bound, no spills
 
 
@@ -1714,7 +1715,7 @@ def test_every_poll_of_the_default_build_is_a_loop_in_its_machine_code():
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD, disassemble_source, poll_loops
     src = source(S.header(DEFAULT_BUILD))
     polls = poll_loops(src, disassemble_source(src)[2])
-    assert len(polls) == 4 and all(looped for _, looped in polls), polls  # q, k, v; o_proj's float4s
+    assert len(polls) == 4 and all(looped for _, looped in polls), polls  # q, k, v; o_proj's and the MLP's float4s (one loop)
     v30 = {  # the same lines (so the same source lines mark the loads) with v30's loads
         '"ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(r) : "l"(p) : "memory");':
         '"ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));  // ld.relaxed.gpu.global.f32 (v30)',
@@ -1791,19 +1792,19 @@ def test_tag_x_tags_every_o_proj_and_the_mlp_stages_whose_previous_x_is_tagged()
             assert _write_complete_when_counted(stages, prev, r - 2)
 
 
-def test_tag_x_build_compiles_clean_and_its_polls_are_loops():
-    """The TAG_X build (over the default) has no spills and every poll, x's included, is a load
-    with a branch back to it; the default build (TAG_X off) is unchanged by the code it adds."""
+def test_tag_x_off_compiles_clean_and_its_polls_are_loops():
+    """The build with TAG_X off (KOG_HOPPER_TAG_X=0: v31's kernel, byte for byte in session 31) has
+    no spills and its polls are loads with a branch back to them."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
-    _compile_clean(**dict(DEFAULT_BUILD, TAG_X=1))
+    _compile_clean(**dict(DEFAULT_BUILD, TAG_X=0))
     _nvdisasm_or_skip()
     from kog_nvidia_hopper import schedule as S
     from kog_nvidia_hopper.cuda_util import source
     from kog_nvidia_hopper.sass_report import disassemble_source, poll_loops
-    src = source(S.header(dict(DEFAULT_BUILD, TAG_X=1)))
+    src = source(S.header(dict(DEFAULT_BUILD, TAG_X=0)))
     polls = poll_loops(src, disassemble_source(src)[2])
-    assert len(polls) >= 4 and all(looped for _, looped in polls), polls
+    assert len(polls) == 4 and all(looped for _, looped in polls), polls
 
 
 def test_splitk_count_marks_the_loader_after_each_split_k_stage():

@@ -195,9 +195,10 @@ class HopperBackend(KernelBackend):
         if self.splitk_perm and (not self.splitk or self.splitk_bulk):
             raise KogError("KOG_HOPPER_SPLITK_PERM=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
                            "and not KOG_HOPPER_SPLITK_BULK: unset one of them")
-        # KOG_HOPPER_SPLITK_COUNT (session 31, an experiment, off): each accumulator word counts its
-        # adds in its low 8 bits, and the loader after the split-K stage polls the counts instead of
-        # waiting on the stage's count (matvec.cuh SPLITK_COUNT; the sum at 2^-24 instead of 2^-32)
+        # KOG_HOPPER_SPLITK_COUNT (session 31, an experiment, off: -2.0% with TAG_X on bench-2b, -1.4% on
+        # llama-3.2-1b, an H100): each accumulator word counts its adds in its low 8 bits, and the loader
+        # after the split-K stage polls the counts instead of waiting on the stage's count (matvec.cuh
+        # SPLITK_COUNT; the sum at 2^-24 instead of 2^-32)
         self.splitk_count = bool(_env_int("KOG_HOPPER_SPLITK_COUNT", 0, lo=0, hi=1))
         if self.splitk_count and (not self.splitk or want_pairs or want_bulk or self.carry or self.nb > 255):
             raise KogError("KOG_HOPPER_SPLITK_COUNT=1 needs split-K stages (a Llama-family model, KOG_HOPPER_SPLITK_DOWN=1) "
@@ -303,12 +304,13 @@ class HopperBackend(KernelBackend):
         if explicit_oproj and not tagged_out:
             raise KogError("KOG_HOPPER_TAG_OPROJ=1 needs attention stages that combine their chunks and feed o_proj "
                            "alone (not KOG_HOPPER_ATTN_COMBINE=loader): unset KOG_HOPPER_TAG_OPROJ")
-        # KOG_HOPPER_TAG_X (session 31, an experiment, off): the MLP's normed stage takes x from o_proj
-        # when its values carry this write's parity, not after o_proj's count (schedule.tag_residual_outputs)
+        # KOG_HOPPER_TAG_X (the default since v32, session 31: +1.2% on bench-2b, +1.1% on llama-3.2-1b,
+        # an H100, same call): the MLP's normed stage takes x from o_proj when its values carry this
+        # write's parity, not after o_proj's count (schedule.tag_residual_outputs); =0 turns it off
         explicit_x = os.environ.get("KOG_HOPPER_TAG_X") == "1"
         if explicit_x and x_cpasync:
             raise KogError("KOG_HOPPER_TAG_X=1 polls the MLP's input on the register path: unset KOG_HOPPER_X_CPASYNC")
-        tag_x = bool(_env_int("KOG_HOPPER_TAG_X", 0, lo=0, hi=1)) and not x_cpasync
+        tag_x = bool(_env_int("KOG_HOPPER_TAG_X", 1, lo=0, hi=1)) and not x_cpasync
         self.tag_x = bool(S.tag_residual_outputs(program, stages)) if tag_x else False
         if explicit_x and not any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]
                                   and st.f.get("MV_IN_MODE") == S.CONSTS["IN_NORM"] for st in stages):

@@ -49,14 +49,14 @@ from collections import Counter
 
 from kog_core.errors import KogError
 
-# bench-2b's default build (v30): 10 consumer warps, a 5 x 31 KB ring after 32 KB of stage
+# bench-2b's default build (v32): 10 consumer warps, a 5 x 31 KB ring after 32 KB of stage
 # scratch, the attention's shapes compiled in, the grid sampler (4 candidates a thread), a
 # 128-byte ring, a Llama-family MLP as one split-K stage (SPLITK_DOWN, v28)
 DEFAULT_BUILD = dict(NT=320, NSLOTS=5, SLOT_BYTES=31744, RING_OFF=32768, KV_BUFS=1, SIGNAL_WARP=1,
                      INLINE_ATTENTION=1, PREFETCH=0, NORM_SMEM=1, STREAM_L2_FIRST=1,
                      NORM_RCP=1, ATT_FASTDIV=1, SAMPLE_GRID=1, SAMPLE_EPT=4, SMEM_ALIGN=128, DEFER_NORM=1, SIGNAL_BAR=1,
                      ATC_L=1, ATC_H=16, ATC_HKV=8, ATC_HD=128, ATC_T=4096, ATC_MAXCH=16,
-                     ATC_ROPE_Q=1, ATC_ROPE_K=1, SPLITK_DOWN=1, TAG_QKV=1, TAG_OPROJ=1)
+                     ATC_ROPE_Q=1, ATC_ROPE_K=1, SPLITK_DOWN=1, TAG_QKV=1, TAG_OPROJ=1, TAG_X=1)
 KINDS = {"LDL": re.compile(r"\bLDL(\.|\s)"), "STL": re.compile(r"\bSTL(\.|\s)"),
          "LD.E": re.compile(r"\bLD\.E"), "ST.E": re.compile(r"\bST\.E")}
 _LINE = re.compile(r'//## File ".*", line (\d+)')

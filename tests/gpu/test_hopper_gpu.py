@@ -660,7 +660,7 @@ def test_splitk_count_matches_reference(name, with_tag_x, monkeypatch):
     if name not in SMALL:
         pytest.skip(f"no small model {name!r}")
     from kog_nvidia_hopper import schedule as S
-    settings = {"KOG_HOPPER_SPLITK_COUNT": "1", **({"KOG_HOPPER_TAG_X": "1"} if with_tag_x else {})}
+    settings = {"KOG_HOPPER_SPLITK_COUNT": "1", "KOG_HOPPER_TAG_X": str(int(with_tag_x))}
     def check(hb, prog):
         assert hb.variant.get("SPLITK_COUNT") == 1 and hb.variant.get("TAG_X", 0) == int(with_tag_x)
         readers = [st for st in hb.stages if st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_COUNT_IN"]]

@@ -108,7 +108,7 @@ __device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_pa
 #ifndef TAG_OPROJ
 #define TAG_OPROJ 0
 #endif
-// TAG_X (an experiment, off; KOG_HOPPER_TAG_X=1; schedule.tag_residual_outputs): readiness in the
+// TAG_X (default since v32; KOG_HOPPER_TAG_X=0 off; schedule.tag_residual_outputs): readiness in the
 // data for the residual stream between o_proj and the MLP. o_proj stores x with the parity of this
 // write (MVF_TAG_OUT, its parity from MV_OTAG: MV_TAG already holds its input's, TAG_OPROJ), and the
 // gate/up stage after it (MVF_TAG_IN, a normed input row) waits on the attention's count instead of
@@ -220,7 +220,8 @@ __shared__ u64 pair_bar;  // one phase a split-K stage: the partner's partials o
 #error "SPLITK_DOWN adds the pending sums on the register path only: not with X_CPASYNC"
 #endif
 static_assert(XV >= PEND_V, "the pending sums are added in the loader's first batch");
-// SPLITK_COUNT (with SPLITK_DOWN; KOG_HOPPER_SPLITK_COUNT, an experiment; schedule.count_splitk_inputs):
+// SPLITK_COUNT (with SPLITK_DOWN; KOG_HOPPER_SPLITK_COUNT, an experiment, off: -2.0% on an H100, perf
+// notes session 31; schedule.count_splitk_inputs):
 // readiness in the data for the split-K sum. Every block adds to every accumulator word (a block
 // without down items adds zeros) its partial rounded to 2^-24 in the upper 56 bits plus 1 in the
 // low 8: a word whose low 8 bits read gridDim.x (< 256) holds every block's partial, since adds to
