@@ -1050,7 +1050,9 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
     const int nload = (c.skipmask >> 7) & 1 ? 0 : nl;  // benchmark bit 7: no input loads (garbage x)
 #if LANES_LOAD
     // several lanes' rows in one batch (plain or deferred-norm input that fits XV float4s a thread)
-    const bool one_batch = nl > 1 && nl * K4 <= XV * NT && (K4 & 31) == 0 && !TAG_IN && !X_CPASYNC
+    // (not a stage whose input row is polled: mv_load_x_lanes does not poll; until session 31 any
+    // build with a tagged stage, so every Laneformer build since v31, lost the batch everywhere)
+    const bool one_batch = nl > 1 && nl * K4 <= XV * NT && (K4 & 31) == 0 && !(TAG_IN && (flags & MVF_TAG_IN)) && !X_CPASYNC
                            && !(mode & (IN_ATTN | IN_EMBED)) && (DEFER_NORM || !(mode & IN_NORM));
     if (one_batch && nload) mv_load_x_lanes(c, nl, xs, nws);
     else
