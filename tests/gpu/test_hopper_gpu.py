@@ -281,15 +281,14 @@ def test_non_default_paths_match_reference(name, monkeypatch):
         hb.close()
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "laneformer-lane", "laneformer-replicate"])
 def test_tag_down_matches_reference(name, monkeypatch):
     """KOG_HOPPER_TAG_DOWN=1 (an experiment, session 9): down_proj takes its input by the values'
-    parity tags instead of gate/up's completion count. Logits at every position and greedy tokens
+    parity tags instead of gate/up's completion count (Llama family: with the MLP unfused;
+    Laneformer, whose MLP is never fused: its lanes). Logits at every position and greedy tokens
     still match the reference, over several launches (the tags are reset before each)."""
-    if name not in SMALL:
-        pytest.skip(f"no small model {name!r}")
     monkeypatch.setenv("KOG_HOPPER_TAG_DOWN", "1")
-    arch, prog, w = model(name)
+    arch, prog, w = _small_or_laneformer(name)
     ref, hb = _backends(prog, w)
     try:
         assert hb.variant.get("TAG_DOWN") == 1 and hb.tagged
@@ -640,6 +639,13 @@ def test_tag_x_on_the_benchmark_presets(preset, monkeypatch):
     blocks): as test_benchmark_preset_matches_reference."""
     monkeypatch.setenv("KOG_HOPPER_TAG_X", "1")
     test_benchmark_preset_matches_reference(preset)
+
+
+def test_tag_down_on_laneformer_2b(monkeypatch):
+    """KOG_HOPPER_TAG_DOWN=1 at laneformer-2b's own shapes (8 lanes of SwiGLU values polled by
+    down_proj's blocks): as test_benchmark_preset_matches_reference."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_DOWN", "1")
+    test_benchmark_preset_matches_reference("laneformer-2b")
 
 
 def test_benchmark_breakdown_finishes_with_tag_x(monkeypatch):
