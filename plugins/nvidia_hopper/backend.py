@@ -161,9 +161,14 @@ class HopperBackend(KernelBackend):
         # grid-wide boundary and one 32 KB input row less a layer. Off by default under the two
         # experiments that change the unfused down_proj's input path.
         x_cpasync = _env_int("KOG_HOPPER_X_CPASYNC", 0, lo=0, hi=1)
-        tag_down = _env_int("KOG_HOPPER_TAG_DOWN", 0, lo=0, hi=1)
-        want_splitk = _env_int("KOG_HOPPER_SPLITK_DOWN", int(not (x_cpasync or tag_down)), lo=0, hi=1)
-        if want_splitk and (x_cpasync or tag_down):
+        # TAG_DOWN (below) is on by default only where the MLP stays unfused; asked for explicitly it
+        # turns the fusion off by default, as X_CPASYNC does
+        explicit_tag_down = os.environ.get("KOG_HOPPER_TAG_DOWN") == "1"
+        tag_down = _env_int("KOG_HOPPER_TAG_DOWN", 1, lo=0, hi=1) and not x_cpasync
+        if explicit_tag_down and x_cpasync:
+            raise KogError("KOG_HOPPER_TAG_DOWN=1 polls down_proj's input on the register path: unset KOG_HOPPER_X_CPASYNC")
+        want_splitk = _env_int("KOG_HOPPER_SPLITK_DOWN", int(not (x_cpasync or explicit_tag_down)), lo=0, hi=1)
+        if want_splitk and (x_cpasync or explicit_tag_down):
             raise KogError("KOG_HOPPER_SPLITK_DOWN=1 fuses down_proj, whose input KOG_HOPPER_X_CPASYNC / "
                            "KOG_HOPPER_TAG_DOWN change: set KOG_HOPPER_SPLITK_DOWN=0 with them")
         # KOG_HOPPER_SPLITK_CARRY (session 21): the split-K accumulator starts from x (o_proj writes
@@ -281,8 +286,10 @@ class HopperBackend(KernelBackend):
             if st.type == "matvec":
                 S.finalize_matvec(st, self.nb, program.logits, argmax_alloc,
                                   logits_numel=program.tensors[program.logits].numel)
-        # TAG_DOWN (an experiment, session 9; +0.3% in session 10, off): down_proj takes its input
-        # when the values carry this write's parity, instead of after gate/up's completion count
+        # TAG_DOWN (on by default since v32 where the MLP is not fused: Laneformer, +1.0% on
+        # laneformer-2b, an H100, session 31): down_proj takes its input when the values carry this
+        # write's parity, instead of after gate/up's completion count (a fused split-K stage has no
+        # such pair left, so a Llama-family build is unchanged)
         tagged = S.tag_pair_outputs(program, stages) if tag_down else []
         # Readiness in the data on the attention's chain (default since v31, session 27: bench-2b and
         # llama-3.2-1b +3.0% on an H100, both together). TAG_QKV: the attention takes q / k / v when
