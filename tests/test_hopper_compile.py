@@ -1835,3 +1835,50 @@ def test_splitk_count_marks_the_loader_after_each_split_k_stage():
     src = source(S.header(dict(DEFAULT_BUILD, SPLITK_COUNT=1, TAG_X=1)))
     polls = poll_loops(src, disassemble_source(src)[2])
     assert len(polls) >= 6 and all(looped for _, looped in polls), polls
+
+
+def test_tag_x_lanes_tags_laneformers_fused_residual_writes_and_their_readers():
+    """schedule.tag_residual_outputs(lanes=True) (KOG_HOPPER_TAG_X_LANES): on laneformer-2b each
+    delayed layer's two fused DTP residuals (o_proj's and down_proj's tail passes; not the last
+    layer's down_proj, read by an elementwise norm) write x with
+    MVF_TAG_LRX and MV_OTAG = write k | 31 << 16 (the embedding and the early layers' elementwise
+    residuals are the other writes); the normed stage after each polls where x's previous write is
+    a tagged one (not after the first fused write, which follows an elementwise residual), and for
+    each such reader some stage between the previous write and the stage it waits on either waits
+    on a count at or after that write or read that write whole (the previous boundary's reader).
+    Without lanes nothing of Laneformer's is tagged. The build (TAG_X with LANE_RESIDUAL) compiles
+    with its polls as loops and no spills but the kernel entry's."""
+    from kog_nvidia_hopper import schedule as S
+    prog = _laneformer2b_program()
+    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1, fuse_lane_residual=True)
+    for st in stages:
+        if st.type == "matvec":
+            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    S.tag_attention_inputs(prog, stages)
+    S.tag_attention_outputs(prog, stages)
+    S.tag_pair_outputs(prog, stages)
+    assert S.tag_residual_outputs(prog, stages) == []
+    assert S.tag_residual_outputs(prog, stages, lanes=True) == ["x"]
+    C = S.CONSTS
+    writers = [i for i, st in enumerate(stages) if st.f.get("MV_FLAGS", 0) & C["MVF_TAG_LRX"]]
+    readers = [i for i, st in enumerate(stages) if st.type == "matvec" and st.f["MV_IN"] == "@x"
+               and st.f["MV_FLAGS"] & C["MVF_TAG_IN"]]
+    # 26 fused residuals, less the last layer's down_proj, which the final norm (an elementwise stage) reads
+    assert len(writers) == 25 and len(readers) == 24 and readers == [w + 1 for w in writers[1:]]
+    assert all(stages[w].f["MV_OTAG"] >> 16 == 31 for w in writers)
+    for r in readers:
+        prev = max(w for w in writers if w < r - 1)
+        assert stages[r].f["MV_TAG"] == stages[r - 1].f["MV_OTAG"] and S.stage_waits_on(stages, r) == r - 2
+        # counted, or the previous write's own reader (prev + 1: it waited on prev or polled it whole) lies between
+        assert _write_complete_when_counted(stages, prev, r - 2) or prev + 1 <= r - 2
+    assert not any(st.f.get("MV_FLAGS", 0) & C["MVF_TAG_OUT"] and st.f.get("MV_OTAG", 0) >> 16 == 31 for st in stages)
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
+    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
+              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1, TAG_QKV=1, TAG_OPROJ=1, TAG_DOWN=1, TAG_X=1)
+    _compile_clean_but_entry(**lf)
+    _nvdisasm_or_skip()
+    from kog_nvidia_hopper.cuda_util import source
+    from kog_nvidia_hopper.sass_report import disassemble_source, poll_loops
+    src = source(S.header(lf))
+    polls = poll_loops(src, disassemble_source(src)[2])
+    assert len(polls) == 4 and all(looped for _, looped in polls), polls

@@ -318,9 +318,19 @@ class HopperBackend(KernelBackend):
         if explicit_x and x_cpasync:
             raise KogError("KOG_HOPPER_TAG_X=1 polls the MLP's input on the register path: unset KOG_HOPPER_X_CPASYNC")
         tag_x = bool(_env_int("KOG_HOPPER_TAG_X", 1, lo=0, hi=1)) and not x_cpasync
-        self.tag_x = bool(S.tag_residual_outputs(program, stages)) if tag_x else False
-        if explicit_x and not any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]
-                                  and st.f.get("MV_IN_MODE") == S.CONSTS["IN_NORM"] for st in stages):
+        # KOG_HOPPER_TAG_X_LANES (session 31, an experiment, off; not yet run on a GPU): the same for
+        # Laneformer's x, written by the fused DTP residual's tail pass (schedule.tag_residual_outputs(lanes=True))
+        tag_x_lanes = bool(_env_int("KOG_HOPPER_TAG_X_LANES", 0, lo=0, hi=1))
+        if tag_x_lanes and not tag_x:
+            raise KogError("KOG_HOPPER_TAG_X_LANES=1 extends KOG_HOPPER_TAG_X to Laneformer's lanes: unset KOG_HOPPER_TAG_X=0 "
+                           "(and KOG_HOPPER_X_CPASYNC) or KOG_HOPPER_TAG_X_LANES")
+        self.tag_x = bool(S.tag_residual_outputs(program, stages, lanes=tag_x_lanes)) if tag_x else False
+        polled_x = any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]
+                       and st.f.get("MV_IN_MODE") == S.CONSTS["IN_NORM"] for st in stages)
+        if tag_x_lanes and not any(st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_LRX"] for st in stages):
+            raise KogError("KOG_HOPPER_TAG_X_LANES=1 needs Laneformer's fused DTP residual (KOG_HOPPER_FUSE_LANE_RESIDUAL=1) "
+                           "followed by a normed matvec: unset KOG_HOPPER_TAG_X_LANES")
+        if explicit_x and not polled_x:
             raise KogError("KOG_HOPPER_TAG_X=1 needs a matvec that adds into x in place (o_proj) followed by a normed "
                            "matvec reading x (a Llama-family model, not KOG_HOPPER_SPLITK_CARRY): unset KOG_HOPPER_TAG_X")
         # (x is not marked stale before a launch: every tagged read of it follows a tagged write of the same token)

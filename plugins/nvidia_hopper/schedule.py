@@ -57,7 +57,7 @@ CONSTS = dict(
     SG_ROUNDS=24,  # the grid sampler's rounds a token at most (sample_grid.cuh: 3 selects of 8 passes)
     SAMPLE_CAP=2048,  # block 0's sampler (sample.cuh radix_select): candidates listed in shared memory once that few
     IN_EMBED=1, IN_NORM=2, IN_ATTN=4,
-    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64, MVF_CARRY=128, MVF_POOL=256, MVF_COUNT_IN=512,
+    MVF_LOGITS=1, MVF_SKIP_PROMPT=2, MVF_ARGMAX=4, MVF_TAG_OUT=8, MVF_TAG_IN=16, MVF_WIDE=32, MVF_SPLITK=64, MVF_CARRY=128, MVF_POOL=256, MVF_COUNT_IN=512, MVF_TAG_LRX=1024,
     OP_EMBED=1, OP_RMSNORM=2, OP_ROPE=3, OP_KVAPPEND=4, OP_SWIGLU=5, OP_ADD=6, OP_COPY=7,
     OP_LANE_SUM=8, OP_LANE_MEAN=9, OP_LANE_RESIDUAL=10,
 )
@@ -544,7 +544,7 @@ def stage_waits_on(stages, j: int) -> int | None:
     return j - 1
 
 
-def tag_residual_outputs(P, stages) -> list[str]:
+def tag_residual_outputs(P, stages, lanes: bool = False) -> list[str]:
     """KOG_HOPPER_TAG_X (matvec.cuh TAG_X): readiness in the data for the residual stream x between
     a matvec that adds into it in place (o_proj: x += W_o a) and the normed matvec right after it
     (gate/up, or the split-K MLP stage). The writer stores x with this write's parity (MVF_TAG_OUT,
@@ -563,19 +563,38 @@ def tag_residual_outputs(P, stages) -> list[str]:
     Writers of a write whose reader was not tagged are still tagged (the bit costs nothing), so the
     next reader can rely on their parity. Call after the other tag_* passes (it reads their waits).
     Returns the tagged tensors (not marked stale before a launch: no tagged read depends on a
-    value from before it)."""
+    value from before it).
+
+    lanes (KOG_HOPPER_TAG_X_LANES, an experiment): also Laneformer's x [L, D], written by the fused
+    DTP residual's tail pass of a matvec stage (SEG_LRX; the stage gets MVF_TAG_LRX, its tail stores
+    the parity, its items' outputs stay untagged) and read by the normed matvec after it over all
+    lanes. Where each layer has two such boundaries (o_proj -> gate/up, down_proj -> q/k/v) the
+    reader of one is the only stage between the two writes, so a second way to know a write is
+    complete counts too: a stage in between that read that write as its whole input row (over all
+    lanes, every block its lanes' full rows), waited for or polled, has seen it complete in every
+    block once it is counted."""
     found = []
     for i in range(1, len(stages)):
         wr, rd = stages[i - 1], stages[i]
-        if wr.type != "matvec" or rd.type != "matvec" or len(wr.segs) != 1 or wr.f["MV_L"] != 1 or rd.f["MV_L"] != 1:
+        if wr.type != "matvec" or rd.type != "matvec":
             continue
-        sg = wr.segs[0]
-        x = sg["out_name"]
-        if sg["SEG_W2"] or sg.get("SEG_RES") != "@" + x or wr.f["MV_FLAGS"] & CONSTS["MVF_TAG_OUT"]:
-            continue
+        fused = [sg for sg in wr.segs if sg.get("SEG_LRX")]
+        if lanes and len(fused) == 1 and wr.f["MV_L"] == rd.f["MV_L"]:  # Laneformer: the fused residual's tail writes x
+            x = fused[0]["SEG_LRX"][1:]
+            if wr.f["MV_FLAGS"] & CONSTS["MVF_TAG_LRX"] or fused[0]["SEG_N"] != rd.f["MV_K"]:
+                continue
+        else:
+            if len(wr.segs) != 1 or wr.f["MV_L"] != 1 or rd.f["MV_L"] != 1:
+                continue
+            sg = wr.segs[0]
+            x = sg["out_name"]
+            if sg["SEG_W2"] or sg.get("SEG_RES") != "@" + x or wr.f["MV_FLAGS"] & CONSTS["MVF_TAG_OUT"]:
+                continue
+            if sg["SEG_N"] != rd.f["MV_K"]:
+                continue
         if rd.f.get("MV_IN") != "@" + x or rd.f["MV_IN_MODE"] != CONSTS["IN_NORM"] or rd.f.get("_pend_in") is not None:
             continue
-        if sg["SEG_N"] != rd.f["MV_K"] or P.tensors[x].numel != rd.f["MV_K"]:
+        if P.tensors[x].numel != rd.f["MV_K"] * rd.f["MV_L"]:
             continue
         found.append((i - 1, i, x))
     if not found or len({x for *_, x in found}) != 1:
@@ -587,19 +606,27 @@ def tag_residual_outputs(P, stages) -> list[str]:
     writes = [j for j, op in enumerate(P.ops) if x in op.outputs and j not in pending]
     n = len(writes)
     stage_of_write = {}
-    for w, _, _ in found:
+    reader_of = {}
+    for w, r, _ in found:
         k = writes.index(max(j for j in stages[w].ops if x in P.ops[j].outputs))
         stage_of_write[k] = w
-        stages[w].f["MV_FLAGS"] |= CONSTS["MVF_TAG_OUT"]
+        reader_of[w] = r
+        tail = any(sg.get("SEG_LRX") for sg in stages[w].segs) and lanes
+        stages[w].f["MV_FLAGS"] |= CONSTS["MVF_TAG_LRX"] if tail else CONSTS["MVF_TAG_OUT"]
         stages[w].f["MV_OTAG"] = k | (n << 16)
+
+    def certifies(j: int, prev: int) -> bool:  # all blocks past stage j => the write at stage prev is complete
+        ws = stage_waits_on(stages, j)
+        if ws is not None and ws >= prev:
+            return True
+        return lanes and reader_of.get(prev) == j  # (lanes) j read that write whole, waited for or polled
     for w, r, _ in found:
         k = stages[w].f["MV_OTAG"] & 0xFFFF
         prev = stage_of_write.get(k - 1)
         if prev is None or prev >= w or stages[w].f.get("_carry_out") is not None:
             continue
         # the reader will wait on stage r - 2: is write k - 1 complete everywhere once that is counted?
-        waited = [stage_waits_on(stages, j) for j in range(prev + 1, r - 1)]
-        if not any(ws is not None and ws >= prev for ws in waited):
+        if not any(certifies(j, prev) for j in range(prev + 1, r - 1)):
             continue
         stages[r].f["MV_FLAGS"] |= CONSTS["MVF_TAG_IN"]
         stages[r].f["MV_TAG"] = k | (n << 16)

@@ -65,6 +65,12 @@ LANEFORMER_SMALL = {
                             num_attention_heads=8, num_key_value_heads=4, intermediate_size=512,
                             vocab_size=700, max_position_embeddings=512, num_lanes=4, broadcast_delay=1,
                             lm_head_type="lane", eos_token_id=2),
+    # 4 layers of which 3 delayed: fused DTP residuals back to back, so KOG_HOPPER_TAG_X_LANES has
+    # readers that poll (the two above have one fused write each, after an elementwise one)
+    "laneformer-deep": dict(model_type="laneformer_tp", hidden_size=256, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=4, intermediate_size=512,
+                            vocab_size=700, max_position_embeddings=512, num_lanes=4, broadcast_delay=1,
+                            lm_head_type="lane", eos_token_id=2),
 }
 
 

@@ -690,3 +690,33 @@ def test_benchmark_breakdown_finishes_with_splitk_count(monkeypatch):
     monkeypatch.setenv("KOG_HOPPER_SPLITK_COUNT", "1")
     monkeypatch.setenv("KOG_HOPPER_TAG_X", "1")
     test_benchmark_breakdown_finishes_with_the_tags_on("llama")
+
+
+@pytest.mark.parametrize("name", ["laneformer-lane", "laneformer-replicate", "laneformer-deep"])
+def test_tag_x_lanes_matches_reference(name, monkeypatch):
+    """KOG_HOPPER_TAG_X_LANES=1 (session 31, an experiment): Laneformer's fused DTP residuals write x
+    with their write's parity and the normed stage after each polls its lanes' rows. Logits at
+    every position and greedy tokens match the reference over several launches; some stage writes
+    tagged x, and in laneformer-deep (fused writes back to back) 4 readers poll."""
+    from kog_nvidia_hopper import schedule as S
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_LANES", "1")
+    arch, prog, w = _small_or_laneformer(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("TAG_X") == 1 and hb.tag_x
+        assert any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_LRX"] for st in hb.stages)
+        polled = [st for st in hb.stages if st.type == "matvec" and st.f["MV_IN"] == "@x"
+                  and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]]
+        assert len(polled) == (4 if name == "laneformer-deep" else 0)
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=7, max_tokens=64)
+    finally:
+        hb.close()
+
+
+def test_tag_x_lanes_on_laneformer_2b(monkeypatch):
+    """KOG_HOPPER_TAG_X_LANES=1 at laneformer-2b's shapes (24 polled boundaries, 8 lanes of 3,072):
+    as test_benchmark_preset_matches_reference; and the breakdown's masks all finish on the small
+    Laneformer whose readers poll."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_LANES", "1")
+    test_benchmark_preset_matches_reference("laneformer-2b")
+    test_benchmark_breakdown_finishes_with_the_tags_on("laneformer-deep")

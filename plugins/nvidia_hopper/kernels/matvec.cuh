@@ -641,8 +641,15 @@ __device__ void mv_load_attn(const Ctx& c, int lane, float* x, float* wk) {
 // Rows [start, start + cnt) of the flattened (lane, row) index of fresh: x[l][r] += fresh[l][r] +
 // the other lanes' delayed[j][r], j in lane order; each thread's loads of 8 lanes in flight at once.
 // Noinline and called with plain values: run_matvec's code stays the unfused build's but for the call.
+// TAG_X with lanes (schedule.tag_residual_outputs(lanes=True), MVF_TAG_LRX): tagp >= 0 stores x with
+// this write's parity for the normed stage after it to poll.
+#if TAG_X
+__device__ __noinline__ void lane_residual_tail(const float* fresh, float* x, const float* dl, int N, int L,
+                                                int ol, int start, int cnt, int tagp) {
+#else
 __device__ __noinline__ void lane_residual_tail(const float* fresh, float* x, const float* dl, int N, int L,
                                                 int ol, int start, int cnt) {
+#endif
     for (int i = threadIdx.x; i < cnt; i += NT) {
         const int f = start + i, l = f / N, r = f - l * N;
         float acc = ldf(fresh + l * ol + r);
@@ -655,7 +662,11 @@ __device__ __noinline__ void lane_residual_tail(const float* fresh, float* x, co
             for (int j = 0; j < 8; ++j)
                 if (j0 + j < L && j0 + j != l) acc += d[j];
         }
+#if TAG_X
+        x[l * ol + r] = tagp >= 0 ? with_parity(x0 + acc, (u32)tagp) : x0 + acc;
+#else
         x[l * ol + r] = x0 + acc;
+#endif
     }
 }
 #endif
@@ -1125,7 +1136,11 @@ __device__ __noinline__ void run_matvec(Ctx& c, u32& q_io, const u32* wctr, u32 
         csync();  // every warp's fresh outputs written (a barrier shows a block's global writes to all its threads)
         TMARK(c, 20);  // the trace build: the tail pass begins
         lane_residual_tail((const float*)sg[SEG_OUT], (float*)sg[SEG_LRX], (const float*)sg[SEG_LRD], (int)sg[SEG_N],
-                           (int)st[MV_L], (int)sg[SEG_OUTL], c.blk.w & 0xffff, (int)((u32)c.blk.w >> 16));
+                           (int)st[MV_L], (int)sg[SEG_OUTL], c.blk.w & 0xffff, (int)((u32)c.blk.w >> 16)
+#if TAG_X
+                           , (flags & MVF_TAG_LRX) ? (int)tag_out_parity(st, c.it) : -1
+#endif
+                           );
     }
 #endif
 }
