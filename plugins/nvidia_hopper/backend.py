@@ -324,6 +324,9 @@ class HopperBackend(KernelBackend):
         if tag_x_lanes and not tag_x:
             raise KogError("KOG_HOPPER_TAG_X_LANES=1 extends KOG_HOPPER_TAG_X to Laneformer's lanes: unset KOG_HOPPER_TAG_X=0 "
                            "(and KOG_HOPPER_X_CPASYNC) or KOG_HOPPER_TAG_X_LANES")
+        # (SPLITK_COUNT's readers first: tag_residual_outputs reads every stage's wait)
+        if self.splitk_count and not S.count_splitk_inputs(stages):
+            raise KogError("KOG_HOPPER_SPLITK_COUNT=1 found no loader right after a split-K stage: unset KOG_HOPPER_SPLITK_COUNT")
         self.tag_x = bool(S.tag_residual_outputs(program, stages, lanes=tag_x_lanes)) if tag_x else False
         polled_x = any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]
                        and st.f.get("MV_IN_MODE") == S.CONSTS["IN_NORM"] for st in stages)
@@ -334,8 +337,6 @@ class HopperBackend(KernelBackend):
             raise KogError("KOG_HOPPER_TAG_X=1 needs a matvec that adds into x in place (o_proj) followed by a normed "
                            "matvec reading x (a Llama-family model, not KOG_HOPPER_SPLITK_CARRY): unset KOG_HOPPER_TAG_X")
         # (x is not marked stale before a launch: every tagged read of it follows a tagged write of the same token)
-        if self.splitk_count and not S.count_splitk_inputs(stages):
-            raise KogError("KOG_HOPPER_SPLITK_COUNT=1 found no loader right after a split-K stage: unset KOG_HOPPER_SPLITK_COUNT")
         self.tagged = {name: program.tensors[name].numel for name in tagged + tagged_qkv + tagged_out}  # buffer -> floats
         # sampled decoding (temperature > 0): on every block (sample_grid.cuh; default since session
         # 10) when each thread's share of the vocabulary fits its registers and the LM head leaves

@@ -534,10 +534,10 @@ def tag_attention_outputs(P, stages) -> list[str]:
 
 def stage_waits_on(stages, j: int) -> int | None:
     """The stage whose completion count stage j waits on (decode.cu): j - 1 (-1: the previous
-    token's last), j - 2 for a matvec taking a tagged input row (MVF_TAG_IN), none for an attention
-    that polls its tagged q / k / v (AT_TAG)."""
+    token's last), j - 2 for a matvec taking a tagged input row (MVF_TAG_IN) or polling a counted
+    split-K accumulator (MVF_COUNT_IN), none for an attention that polls its tagged q / k / v (AT_TAG)."""
     st = stages[j]
-    if st.type == "matvec" and st.f.get("MV_FLAGS", 0) & CONSTS["MVF_TAG_IN"]:
+    if st.type == "matvec" and st.f.get("MV_FLAGS", 0) & (CONSTS["MVF_TAG_IN"] | CONSTS["MVF_COUNT_IN"]):
         return j - 2
     if st.type == "attn" and st.f.get("AT_TAG"):
         return None
