@@ -318,10 +318,14 @@ class HopperBackend(KernelBackend):
         if explicit_x and x_cpasync:
             raise KogError("KOG_HOPPER_TAG_X=1 polls the MLP's input on the register path: unset KOG_HOPPER_X_CPASYNC")
         tag_x = bool(_env_int("KOG_HOPPER_TAG_X", 1, lo=0, hi=1)) and not x_cpasync
-        # KOG_HOPPER_TAG_X_LANES (session 31, an experiment, off; not yet run on a GPU): the same for
-        # Laneformer's x, written by the fused DTP residual's tail pass (schedule.tag_residual_outputs(lanes=True))
-        tag_x_lanes = bool(_env_int("KOG_HOPPER_TAG_X_LANES", 0, lo=0, hi=1))
-        if tag_x_lanes and not tag_x:
+        # KOG_HOPPER_TAG_X_LANES (the default since v33 where Laneformer's DTP residual is fused: +1.6%
+        # on laneformer-2b, an H100, session 32): the same for Laneformer's x, written by the fused
+        # residual's tail pass (schedule.tag_residual_outputs(lanes=True)). Only such builds take it by
+        # default: its second completion rule would also move Llama-family polls; =0 turns it off
+        explicit_x_lanes = os.environ.get("KOG_HOPPER_TAG_X_LANES") == "1"
+        has_lane_tail = any(sg.get("SEG_LRX") for st in stages if st.type == "matvec" for sg in st.segs)
+        tag_x_lanes = bool(_env_int("KOG_HOPPER_TAG_X_LANES", 1, lo=0, hi=1)) and tag_x and (has_lane_tail or explicit_x_lanes)
+        if explicit_x_lanes and not tag_x:
             raise KogError("KOG_HOPPER_TAG_X_LANES=1 extends KOG_HOPPER_TAG_X to Laneformer's lanes: unset KOG_HOPPER_TAG_X=0 "
                            "(and KOG_HOPPER_X_CPASYNC) or KOG_HOPPER_TAG_X_LANES")
         # (SPLITK_COUNT's readers first: tag_residual_outputs reads every stage's wait)
@@ -330,7 +334,7 @@ class HopperBackend(KernelBackend):
         self.tag_x = bool(S.tag_residual_outputs(program, stages, lanes=tag_x_lanes)) if tag_x else False
         polled_x = any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]
                        and st.f.get("MV_IN_MODE") == S.CONSTS["IN_NORM"] for st in stages)
-        if tag_x_lanes and not any(st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_LRX"] for st in stages):
+        if explicit_x_lanes and not any(st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_LRX"] for st in stages):
             raise KogError("KOG_HOPPER_TAG_X_LANES=1 needs Laneformer's fused DTP residual (KOG_HOPPER_FUSE_LANE_RESIDUAL=1) "
                            "followed by a normed matvec: unset KOG_HOPPER_TAG_X_LANES")
         if explicit_x and not polled_x:

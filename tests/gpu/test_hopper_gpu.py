@@ -245,7 +245,7 @@ def _assert_logits_and_greedy_match(hb, ref, vocab, n_tokens, seed, max_tokens):
         list(ref.generate(prompt, DefaultSampler(), SamplingParams(), stop))
 
 
-@pytest.mark.parametrize("name", ["laneformer-replicate", "laneformer-lane"])
+@pytest.mark.parametrize("name", ["laneformer-replicate", "laneformer-lane", "laneformer-deep"])
 def test_laneformer_logits_and_greedy(name):
     pytest.importorskip("kog_laneformer")
     from .hopper_models import laneformer_model
@@ -694,12 +694,13 @@ def test_benchmark_breakdown_finishes_with_splitk_count(monkeypatch):
 
 @pytest.mark.parametrize("name", ["laneformer-lane", "laneformer-replicate", "laneformer-deep"])
 def test_tag_x_lanes_matches_reference(name, monkeypatch):
-    """KOG_HOPPER_TAG_X_LANES=1 (session 31, an experiment): Laneformer's fused DTP residuals write x
-    with their write's parity and the normed stage after each polls its lanes' rows. Logits at
-    every position and greedy tokens match the reference over several launches; some stage writes
-    tagged x, and in laneformer-deep (fused writes back to back) 4 readers poll."""
+    """KOG_HOPPER_TAG_X_LANES (the default since v33 where the DTP residual is fused): Laneformer's
+    fused DTP residuals write x with their write's parity and the normed stage after each polls its
+    lanes' rows. Logits at every position and greedy tokens match the reference over several
+    launches; some stage writes tagged x, and in laneformer-deep (fused writes back to back) 4
+    readers poll. Run with the setting unset: the default must be the tagged build."""
     from kog_nvidia_hopper import schedule as S
-    monkeypatch.setenv("KOG_HOPPER_TAG_X_LANES", "1")
+    monkeypatch.delenv("KOG_HOPPER_TAG_X_LANES", raising=False)
     arch, prog, w = _small_or_laneformer(name)
     ref, hb = _backends(prog, w)
     try:
@@ -709,6 +710,23 @@ def test_tag_x_lanes_matches_reference(name, monkeypatch):
                   and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]]
         assert len(polled) == (4 if name == "laneformer-deep" else 0)
         _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=7, max_tokens=64)
+    finally:
+        hb.close()
+
+
+def test_tag_x_lanes_0_builds_laneformer_untagged(monkeypatch):
+    """KOG_HOPPER_TAG_X_LANES=0: no fused residual tags x, no normed stage polls it, and the
+    logits and greedy tokens still match (v32's Laneformer build)."""
+    from kog_nvidia_hopper import schedule as S
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_LANES", "0")
+    arch, prog, w = _small_or_laneformer("laneformer-deep")
+    ref, hb = _backends(prog, w)
+    try:
+        assert not hb.tag_x and "TAG_X" not in hb.variant
+        mv = [st for st in hb.stages if st.type == "matvec"]
+        assert not any(st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_LRX"] for st in mv)
+        assert not any(st.f["MV_IN"] == "@x" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"] for st in mv)
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=60, seed=3, max_tokens=32)
     finally:
         hb.close()
 
