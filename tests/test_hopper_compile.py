@@ -1882,3 +1882,51 @@ def test_tag_x_lanes_tags_laneformers_fused_residual_writes_and_their_readers():
     src = source(S.header(lf))
     polls = poll_loops(src, disassemble_source(src)[2])
     assert len(polls) == 4 and all(looped for _, looped in polls), polls
+
+
+def test_tag_x_ew_tags_laneformers_elementwise_residual_writes_and_their_readers():
+    """schedule.tag_residual_outputs(lanes=True, ew=True) (KOG_HOPPER_TAG_X_EW): on laneformer-2b the
+    four elementwise lane_residual stages of the two all-reduce layers write x with EW_OTAG = write
+    k | 31 << 16 (k = 1..4, after the embedding); the normed stage after each polls where x's
+    previous write is tagged (not after the first: the embedding's write is untagged), and so does
+    the first fused write's reader, whose previous write is now the last elementwise one: 28
+    polled readers against TAG_X_LANES's 24, each certified as in the lanes rule. The build
+    (TAG_X_EW with TAG_X) compiles without spills but the kernel entry's, its polls are loops, and
+    the default Laneformer build's polls_on is unchanged (TAG_X_EW=0 folds the new bit away)."""
+    from kog_nvidia_hopper import schedule as S
+    prog = _laneformer2b_program()
+    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1, fuse_lane_residual=True)
+    for st in stages:
+        if st.type == "matvec":
+            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    S.tag_attention_inputs(prog, stages)
+    S.tag_attention_outputs(prog, stages)
+    S.tag_pair_outputs(prog, stages)
+    assert S.tag_residual_outputs(prog, stages, ew=True) == []  # ew needs lanes
+    assert not any(st.f.get("EW_OTAG") for st in stages)
+    assert S.tag_residual_outputs(prog, stages, lanes=True, ew=True) == ["x"]
+    C = S.CONSTS
+    ew_writers = [i for i, st in enumerate(stages) if st.type == "ew" and st.f.get("EW_OTAG")]
+    assert len(ew_writers) == 4 and all(stages[i].f["EW_OP"] == "OP_LANE_RESIDUAL" for i in ew_writers)
+    assert [stages[i].f["EW_OTAG"] for i in ew_writers] == [k | 31 << 16 for k in (1, 2, 3, 4)]
+    tails = [i for i, st in enumerate(stages) if st.f.get("MV_FLAGS", 0) & C["MVF_TAG_LRX"]]
+    writers = sorted(ew_writers + tails)
+    readers = [i for i, st in enumerate(stages) if st.type == "matvec" and st.f["MV_IN"] == "@x"
+               and st.f["MV_FLAGS"] & C["MVF_TAG_IN"]]
+    assert len(readers) == 28 and readers == [w + 1 for w in writers[1:]]
+    for r in readers:
+        prev = max(w for w in writers if w < r - 1)
+        w = r - 1
+        tag = stages[w].f["EW_OTAG"] if stages[w].type == "ew" else stages[w].f["MV_OTAG"]
+        assert stages[r].f["MV_TAG"] == tag and S.stage_waits_on(stages, r) == r - 2
+        assert _write_complete_when_counted(stages, prev, r - 2) or prev + 1 <= r - 2
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
+    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
+              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1, TAG_QKV=1, TAG_OPROJ=1, TAG_DOWN=1, TAG_X=1)
+    _compile_clean_but_entry(**lf, TAG_X_EW=1)
+    _nvdisasm_or_skip()
+    from kog_nvidia_hopper.cuda_util import source
+    from kog_nvidia_hopper.sass_report import disassemble_source, poll_loops
+    src = source(S.header(dict(lf, TAG_X_EW=1)))
+    polls = poll_loops(src, disassemble_source(src)[2])
+    assert len(polls) == 4 and all(looped for _, looped in polls), polls

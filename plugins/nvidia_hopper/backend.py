@@ -331,7 +331,17 @@ class HopperBackend(KernelBackend):
         # (SPLITK_COUNT's readers first: tag_residual_outputs reads every stage's wait)
         if self.splitk_count and not S.count_splitk_inputs(stages):
             raise KogError("KOG_HOPPER_SPLITK_COUNT=1 found no loader right after a split-K stage: unset KOG_HOPPER_SPLITK_COUNT")
-        self.tag_x = bool(S.tag_residual_outputs(program, stages, lanes=tag_x_lanes)) if tag_x else False
+        # KOG_HOPPER_TAG_X_EW (session 32, an experiment, off): with TAG_X_LANES, also the elementwise
+        # lane_residual stages of Laneformer's early (all-reduce) layers write x with their parity
+        tag_x_ew = bool(_env_int("KOG_HOPPER_TAG_X_EW", 0, lo=0, hi=1))
+        if tag_x_ew and not tag_x_lanes:
+            raise KogError("KOG_HOPPER_TAG_X_EW=1 extends KOG_HOPPER_TAG_X_LANES: unset KOG_HOPPER_TAG_X_LANES=0 / "
+                           "KOG_HOPPER_TAG_X=0, or KOG_HOPPER_TAG_X_EW")
+        self.tag_x = bool(S.tag_residual_outputs(program, stages, lanes=tag_x_lanes, ew=tag_x_ew)) if tag_x else False
+        self.tag_x_ew = any(st.type == "ew" and st.f.get("EW_OTAG") for st in stages)
+        if tag_x_ew and not self.tag_x_ew:
+            raise KogError("KOG_HOPPER_TAG_X_EW=1 found no elementwise lane_residual writing x before a normed matvec "
+                           "(Laneformer's all-reduce layers): unset KOG_HOPPER_TAG_X_EW")
         polled_x = any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]
                        and st.f.get("MV_IN_MODE") == S.CONSTS["IN_NORM"] for st in stages)
         if explicit_x_lanes and not any(st.f.get("MV_FLAGS", 0) & S.CONSTS["MVF_TAG_LRX"] for st in stages):
@@ -481,6 +491,8 @@ class HopperBackend(KernelBackend):
             variant["TAG_OPROJ"] = 1
         if self.tag_x:  # KOG_HOPPER_TAG_X (session 31)
             variant["TAG_X"] = 1
+        if self.tag_x_ew:  # KOG_HOPPER_TAG_X_EW (session 32)
+            variant["TAG_X_EW"] = 1
         if self.splitk_count:  # KOG_HOPPER_SPLITK_COUNT (session 31)
             variant["SPLITK_COUNT"] = 1
         if self.splitk:  # KOG_HOPPER_SPLITK_DOWN (the default since v28)

@@ -46,6 +46,7 @@ SLOTS = dict(
     # elementwise
     EW_OP=1, EW_L=2, EW_D=3, EW_A=4, EW_B=5, EW_C=6, EW_OUT=7, EW_OUT2=8, EW_GROUP=9, EW_WL=10,
     EW_F0=11, EW_HD=12, EW_STYLE=13, EW_T=14, EW_LIN=15,
+    EW_OTAG=16,  # TAG_X_EW: the parity an elementwise lane_residual writes x with (0: untagged)
     # sample
     SM_V=1, SM_LOGITS=2, SM_ARGMAX=3, SM_NPART=4,
 )
@@ -544,7 +545,7 @@ def stage_waits_on(stages, j: int) -> int | None:
     return j - 1
 
 
-def tag_residual_outputs(P, stages, lanes: bool = False) -> list[str]:
+def tag_residual_outputs(P, stages, lanes: bool = False, ew: bool = False) -> list[str]:
     """KOG_HOPPER_TAG_X (matvec.cuh TAG_X): readiness in the data for the residual stream x between
     a matvec that adds into it in place (o_proj: x += W_o a) and the normed matvec right after it
     (gate/up, or the split-K MLP stage). The writer stores x with this write's parity (MVF_TAG_OUT,
@@ -572,14 +573,27 @@ def tag_residual_outputs(P, stages, lanes: bool = False) -> list[str]:
     reader of one is the only stage between the two writes, so a second way to know a write is
     complete counts too: a stage in between that read that write as its whole input row (over all
     lanes, every block its lanes' full rows), waited for or polled, has seen it complete in every
-    block once it is counted."""
+    block once it is counted.
+
+    ew (KOG_HOPPER_TAG_X_EW, an experiment; with lanes): also the elementwise lane_residual stages
+    that write x whole (Laneformer's early, all-reduce layers): the stage stores x with its write's
+    parity (EW_OTAG) and the normed matvec after it polls, under the same rules. Their parity also
+    lets the first fused write's reader poll (its previous write is then a tagged one)."""
     found = []
     for i in range(1, len(stages)):
         wr, rd = stages[i - 1], stages[i]
-        if wr.type != "matvec" or rd.type != "matvec":
+        if rd.type != "matvec":
             continue
-        fused = [sg for sg in wr.segs if sg.get("SEG_LRX")]
-        if lanes and len(fused) == 1 and wr.f["MV_L"] == rd.f["MV_L"]:  # Laneformer: the fused residual's tail writes x
+        if wr.type == "ew" and lanes and ew:  # an elementwise lane_residual writing x whole
+            if wr.f.get("EW_OP") != "OP_LANE_RESIDUAL" or wr.f.get("EW_OTAG") or rd.f.get("MV_L") != wr.f["EW_L"]:
+                continue
+            x = wr.f["EW_OUT"][1:]
+            if wr.f["EW_D"] != rd.f["MV_K"]:
+                continue
+        elif wr.type != "matvec":
+            continue
+        elif lanes and len(fused := [sg for sg in wr.segs if sg.get("SEG_LRX")]) == 1 and wr.f["MV_L"] == rd.f["MV_L"]:
+            # Laneformer: the fused residual's tail writes x
             x = fused[0]["SEG_LRX"][1:]
             if wr.f["MV_FLAGS"] & CONSTS["MVF_TAG_LRX"] or fused[0]["SEG_N"] != rd.f["MV_K"]:
                 continue
@@ -611,6 +625,9 @@ def tag_residual_outputs(P, stages, lanes: bool = False) -> list[str]:
         k = writes.index(max(j for j in stages[w].ops if x in P.ops[j].outputs))
         stage_of_write[k] = w
         reader_of[w] = r
+        if stages[w].type == "ew":
+            stages[w].f["EW_OTAG"] = k | (n << 16)
+            continue
         tail = any(sg.get("SEG_LRX") for sg in stages[w].segs) and lanes
         stages[w].f["MV_FLAGS"] |= CONSTS["MVF_TAG_LRX"] if tail else CONSTS["MVF_TAG_OUT"]
         stages[w].f["MV_OTAG"] = k | (n << 16)
@@ -621,7 +638,7 @@ def tag_residual_outputs(P, stages, lanes: bool = False) -> list[str]:
             return True
         return lanes and reader_of.get(prev) == j  # (lanes) j read that write whole, waited for or polled
     for w, r, _ in found:
-        k = stages[w].f["MV_OTAG"] & 0xFFFF
+        k = stages[w].f["EW_OTAG" if stages[w].type == "ew" else "MV_OTAG"] & 0xFFFF
         prev = stage_of_write.get(k - 1)
         if prev is None or prev >= w or stages[w].f.get("_carry_out") is not None:
             continue

@@ -731,6 +731,34 @@ def test_tag_x_lanes_0_builds_laneformer_untagged(monkeypatch):
         hb.close()
 
 
+@pytest.mark.parametrize("name,polled", [("laneformer-lane", 2), ("laneformer-replicate", 4), ("laneformer-deep", 6)])
+def test_tag_x_ew_matches_reference(name, polled, monkeypatch):
+    """KOG_HOPPER_TAG_X_EW=1 (session 32, an experiment): the early layers' elementwise lane_residual
+    stages write x with their parity too, and the normed stages after them poll (and the first fused
+    write's reader). Logits at every position and greedy tokens match the reference over several
+    launches, with the expected number of polled readers."""
+    from kog_nvidia_hopper import schedule as S
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
+    arch, prog, w = _small_or_laneformer(name)
+    ref, hb = _backends(prog, w)
+    try:
+        assert hb.variant.get("TAG_X_EW") == 1
+        assert sum(1 for st in hb.stages if st.type == "ew" and st.f.get("EW_OTAG")) >= 2
+        assert sum(1 for st in hb.stages if st.type == "matvec" and st.f["MV_IN"] == "@x"
+                   and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"]) == polled
+        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=7, max_tokens=64)
+    finally:
+        hb.close()
+
+
+def test_tag_x_ew_on_laneformer_2b(monkeypatch):
+    """KOG_HOPPER_TAG_X_EW=1 at laneformer-2b's shapes (28 polled boundaries), and the breakdown's
+    masks (bit 3 skips the elementwise writers: their readers must not poll then) on laneformer-deep."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
+    test_benchmark_preset_matches_reference("laneformer-2b")
+    test_benchmark_breakdown_finishes_with_the_tags_on("laneformer-deep")
+
+
 def test_tag_x_lanes_on_laneformer_2b(monkeypatch):
     """KOG_HOPPER_TAG_X_LANES=1 at laneformer-2b's shapes (24 polled boundaries, 8 lanes of 3,072):
     as test_benchmark_preset_matches_reference; and the breakdown's masks all finish on the small

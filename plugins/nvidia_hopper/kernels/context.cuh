@@ -83,7 +83,13 @@ struct Ctx {
 // the attention) or drop the waits that keep blocks within one write of each other (bit 6) would
 // leave a poll spinning forever (session 29: `kog bench`'s breakdown hung). Its readers then wait on
 // the counters as an untagged build does.
-__device__ __forceinline__ bool polls_on(const Ctx& c) { return !(c.skipmask & ((1 << 1) | (1 << 2) | (1 << 6))); }
+// TAG_X_EW: an elementwise stage writes a tagged value too, so bit 3 (no elementwise) as well.
+#ifndef TAG_X_EW
+#define TAG_X_EW 0
+#endif
+__device__ __forceinline__ bool polls_on(const Ctx& c) {
+    return !(c.skipmask & ((1 << 1) | (1 << 2) | (1 << 6) | (TAG_X_EW ? 1 << 3 : 0)));
+}
 
 __device__ __forceinline__ float fslot(const i64* st, int i) { return __int_as_float((int)st[i]); }
 

@@ -13,6 +13,15 @@
 #ifndef RMS_BLOCK
 #define RMS_BLOCK 0
 #endif
+// TAG_X_EW (KOG_HOPPER_TAG_X_EW, an experiment; with TAG_X): Laneformer's early (all-reduce) layers'
+// elementwise lane_residual stores x with its write's parity (EW_OTAG), so the normed matvec after it
+// polls x instead of waiting on this stage's count (schedule.tag_residual_outputs(ew=True)).
+#ifndef TAG_X_EW
+#define TAG_X_EW 0
+#endif
+#if TAG_X_EW && !TAG_X
+#error "TAG_X_EW extends TAG_X: its readers poll on TAG_X's path"
+#endif
 #define RMS_V 4
 
 __device__ __noinline__ void run_ew(Ctx& c) {
@@ -123,6 +132,9 @@ __device__ __noinline__ void run_ew(Ctx& c) {
         const int mode = (int)st[EW_STYLE];
         const float scale = fslot(st, EW_F0);
         float* x = out;
+#if TAG_X_EW  // (schedule.tag_residual_outputs(ew=True)) x stored with this write's parity for the normed stage after to poll
+        const int tagp = st[EW_OTAG] ? (int)tag_parity_of((u32)st[EW_OTAG], c.it) : -1;
+#endif
         for (i64 i = gtid; i < total; i += gstride) {
             int l = (int)(i / D); i64 e = i % D;
             float acc;
@@ -135,7 +147,11 @@ __device__ __noinline__ void run_ew(Ctx& c) {
                 acc = ldf(b + i);
                 for (int j = 0; j < L; ++j) if (j != l) acc += ldf(d3 + (i64)j * D + e);
             }
+#if TAG_X_EW
+            x[i] = tagp >= 0 ? with_parity(ldf(x + i) + acc, (u32)tagp) : ldf(x + i) + acc;
+#else
             x[i] = ldf(x + i) + acc;
+#endif
         }
     }
 }
