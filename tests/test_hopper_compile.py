@@ -93,6 +93,22 @@ def _laneformer2b_program():
     return arch.lower(context_length=4096, kv_dtype="bf16")
 
 
+def _laneformer2b_stages_tagged_before_x():
+    """laneformer-2b's program and its stages as HopperBackend.load has them just before
+    tag_residual_outputs: the DTP residual fused, matvecs finalized, the attention's and the
+    gate/up pair's tags applied (the x tags read their waits)."""
+    from kog_nvidia_hopper import schedule as S
+    prog = _laneformer2b_program()
+    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1, fuse_lane_residual=True)
+    for st in stages:
+        if st.type == "matvec":
+            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
+    S.tag_attention_inputs(prog, stages)
+    S.tag_attention_outputs(prog, stages)
+    S.tag_pair_outputs(prog, stages)
+    return prog, stages
+
+
 def _bench2b_stages_as_loaded():
     """bench-2b's stages as HopperBackend.load has them when it sizes the ring (default build: 10
     consumer warps, one K/V buffer, the attention's chunks combined in the attention stage, matvecs
@@ -1849,14 +1865,7 @@ def test_tag_x_lanes_tags_laneformers_fused_residual_writes_and_their_readers():
     Without lanes nothing of Laneformer's is tagged. The build (TAG_X with LANE_RESIDUAL) compiles
     with its polls as loops and no spills but the kernel entry's."""
     from kog_nvidia_hopper import schedule as S
-    prog = _laneformer2b_program()
-    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1, fuse_lane_residual=True)
-    for st in stages:
-        if st.type == "matvec":
-            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
-    S.tag_attention_inputs(prog, stages)
-    S.tag_attention_outputs(prog, stages)
-    S.tag_pair_outputs(prog, stages)
+    prog, stages = _laneformer2b_stages_tagged_before_x()
     assert S.tag_residual_outputs(prog, stages) == []
     assert S.tag_residual_outputs(prog, stages, lanes=True) == ["x"]
     C = S.CONSTS
@@ -1894,14 +1903,7 @@ def test_tag_x_ew_tags_laneformers_elementwise_residual_writes_and_their_readers
     (TAG_X_EW with TAG_X) compiles without spills but the kernel entry's, its polls are loops, and
     the default Laneformer build's polls_on is unchanged (TAG_X_EW=0 folds the new bit away)."""
     from kog_nvidia_hopper import schedule as S
-    prog = _laneformer2b_program()
-    stages = S.lower(prog, 132, 32 * S.NW_DEFAULT, 1, fuse_lane_residual=True)
-    for st in stages:
-        if st.type == "matvec":
-            S.finalize_matvec(st, 132, prog.logits, lambda tiles: 0, logits_numel=prog.tensors[prog.logits].numel)
-    S.tag_attention_inputs(prog, stages)
-    S.tag_attention_outputs(prog, stages)
-    S.tag_pair_outputs(prog, stages)
+    prog, stages = _laneformer2b_stages_tagged_before_x()
     assert S.tag_residual_outputs(prog, stages, ew=True) == []  # ew needs lanes
     assert not any(st.f.get("EW_OTAG") for st in stages)
     assert S.tag_residual_outputs(prog, stages, lanes=True, ew=True) == ["x"]
