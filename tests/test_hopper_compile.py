@@ -1612,6 +1612,30 @@ def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
     assert sum(n == "cuMemsetD32Async" for n, _ in writes) == 5  # counters, accumulators, pool, tagged, parts
 
 
+
+@pytest.mark.parametrize("name,extra", [("llama", {}), ("laneformer-lane", {"KOG_HOPPER_TAG_X_LANES": "0"})])
+def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkeypatch):
+    """KOG_HOPPER_TAG_X_EW=1 where TAG_X_LANES does not apply (a Llama-family model) or is turned
+    off: HopperBackend.load, with a driver that only records, stops with one line naming the
+    setting to unset before it builds a kernel."""
+    from gpu.hopper_models import laneformer_model, model
+    from kog_nvidia_hopper.backend import HopperBackend
+    from kog_nvidia_hopper.plugin import CAPABILITIES
+
+    class Driver:  # every call succeeds and returns a fake pointer
+        def __getattr__(self, name):
+            return lambda *args: (0, 4096)
+
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
+    for key, value in extra.items():
+        monkeypatch.setenv(key, value)
+    arch, prog, w = (laneformer_model if name.startswith("laneformer") else model)(name)
+    hb = HopperBackend.__new__(HopperBackend)
+    hb.drv, hb.nb, hb.capabilities, hb.allocs = Driver(), 132, CAPABILITIES, []
+    with pytest.raises(KogError) as e:
+        hb.load(prog, w)
+    assert "unset KOG_HOPPER_TAG_X_EW" in str(e.value) and "\n" not in str(e.value)
+
 def _backend_whose_kernel_never_finishes(monkeypatch, tokens_out=0):
     """A HopperBackend with a driver whose stream never completes, the kernel having
     written `tokens_out` tokens, and a clock that moves 7 s at each look."""

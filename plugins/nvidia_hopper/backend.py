@@ -334,9 +334,10 @@ class HopperBackend(KernelBackend):
         # KOG_HOPPER_TAG_X_EW (session 32, an experiment, off): with TAG_X_LANES, also the elementwise
         # lane_residual stages of Laneformer's early (all-reduce) layers write x with their parity
         tag_x_ew = bool(_env_int("KOG_HOPPER_TAG_X_EW", 0, lo=0, hi=1))
-        if tag_x_ew and not tag_x_lanes:
-            raise KogError("KOG_HOPPER_TAG_X_EW=1 extends KOG_HOPPER_TAG_X_LANES: unset KOG_HOPPER_TAG_X_LANES=0 / "
-                           "KOG_HOPPER_TAG_X=0, or KOG_HOPPER_TAG_X_EW")
+        if tag_x_ew and not tag_x_lanes:  # a Llama-family model, or the lanes' tags turned off
+            raise KogError("KOG_HOPPER_TAG_X_EW=1 extends KOG_HOPPER_TAG_X_LANES, which needs a Laneformer with its DTP "
+                           "residual fused (not KOG_HOPPER_TAG_X_LANES=0, KOG_HOPPER_TAG_X=0 or KOG_HOPPER_X_CPASYNC=1): "
+                           "unset KOG_HOPPER_TAG_X_EW")
         self.tag_x = bool(S.tag_residual_outputs(program, stages, lanes=tag_x_lanes, ew=tag_x_ew)) if tag_x else False
         self.tag_x_ew = any(st.type == "ew" and st.f.get("EW_OTAG") for st in stages)
         if tag_x_ew and not self.tag_x_ew:
