@@ -15,10 +15,8 @@
 #endif
 // TAG_X_EW (KOG_HOPPER_TAG_X_EW, an experiment; with TAG_X): Laneformer's early (all-reduce) layers'
 // elementwise lane_residual stores x with its write's parity (EW_OTAG), so the normed matvec after it
-// polls x instead of waiting on this stage's count (schedule.tag_residual_outputs(ew=True)).
-#ifndef TAG_X_EW
-#define TAG_X_EW 0
-#endif
+// polls x instead of waiting on this stage's count (schedule.tag_residual_outputs(ew=True)). Its
+// default (0) is set in context.cuh, spliced in earlier, whose polls_on reads it too.
 #if TAG_X_EW && !TAG_X
 #error "TAG_X_EW extends TAG_X: its readers poll on TAG_X's path"
 #endif
