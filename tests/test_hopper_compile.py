@@ -1612,7 +1612,6 @@ def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
     assert sum(n == "cuMemsetD32Async" for n, _ in writes) == 5  # counters, accumulators, pool, tagged, parts
 
 
-
 @pytest.mark.parametrize("name,extra", [("llama", {}), ("laneformer-lane", {"KOG_HOPPER_TAG_X_LANES": "0"})])
 def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkeypatch):
     """KOG_HOPPER_TAG_X_EW=1 where TAG_X_LANES does not apply (a Llama-family model) or is turned
@@ -1635,6 +1634,7 @@ def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkey
     with pytest.raises(KogError) as e:
         hb.load(prog, w)
     assert "unset KOG_HOPPER_TAG_X_EW" in str(e.value) and "\n" not in str(e.value)
+
 
 def _backend_whose_kernel_never_finishes(monkeypatch, tokens_out=0):
     """A HopperBackend with a driver whose stream never completes, the kernel having
