@@ -1636,6 +1636,43 @@ def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkey
     assert "unset KOG_HOPPER_TAG_X_EW" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("name,env,expected", [
+    ("laneformer-lane", {}, True),  # the default since v34: with the lanes' tags
+    ("laneformer-lane", {"KOG_HOPPER_TAG_X_EW": "0"}, False),  # v33's build
+    ("laneformer-lane", {"KOG_HOPPER_TAG_X_LANES": "0"}, False),  # no lanes' tags: quietly off, no error
+    ("llama", {}, False),  # a Llama-family model: quietly off, no error
+])
+def test_tag_x_ew_default_follows_the_lanes_tags(name, env, expected, monkeypatch):
+    """With KOG_HOPPER_TAG_X_EW unset, HopperBackend.load tags the elementwise residual writes
+    exactly where TAG_X_LANES is on, and refuses nothing elsewhere (only an explicit =1 is an
+    error there, above). The load stops at the ring's sizing, after the setting is resolved."""
+    from gpu.hopper_models import laneformer_model, model
+    from kog_nvidia_hopper.backend import HopperBackend
+    from kog_nvidia_hopper.plugin import CAPABILITIES
+
+    class Driver:  # every call succeeds and returns a fake pointer
+        def __getattr__(self, name):
+            return lambda *args: (0, 4096)
+
+    class Resolved(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Resolved
+
+    for key in ("KOG_HOPPER_TAG_X_EW", "KOG_HOPPER_TAG_X_LANES"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(HopperBackend, "_ring_slots", stop)
+    arch, prog, w = (laneformer_model if name.startswith("laneformer") else model)(name)
+    hb = HopperBackend.__new__(HopperBackend)
+    hb.drv, hb.nb, hb.capabilities, hb.allocs = Driver(), 132, CAPABILITIES, []
+    with pytest.raises(Resolved):
+        hb.load(prog, w)
+    assert hb.tag_x_ew is expected  # (read off the stages: some elementwise stage writes tagged x)
+
+
 def _backend_whose_kernel_never_finishes(monkeypatch, tokens_out=0):
     """A HopperBackend with a driver whose stream never completes, the kernel having
     written `tokens_out` tokens, and a clock that moves 7 s at each look."""

@@ -575,7 +575,7 @@ def tag_residual_outputs(P, stages, lanes: bool = False, ew: bool = False) -> li
     lanes, every block its lanes' full rows), waited for or polled, has seen it complete in every
     block once it is counted.
 
-    ew (KOG_HOPPER_TAG_X_EW, an experiment; with lanes): also the elementwise lane_residual stages
+    ew (KOG_HOPPER_TAG_X_EW, on with lanes since v34): also the elementwise lane_residual stages
     that write x whole (Laneformer's early, all-reduce layers): the stage stores x with its write's
     parity (EW_OTAG) and the normed matvec after it polls, under the same rules. Their parity also
     lets the first fused write's reader poll (its previous write is then a tagged one)."""

@@ -701,6 +701,7 @@ def test_tag_x_lanes_matches_reference(name, monkeypatch):
     readers poll. Run with the setting unset: the default must be the tagged build."""
     from kog_nvidia_hopper import schedule as S
     monkeypatch.delenv("KOG_HOPPER_TAG_X_LANES", raising=False)
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "0")  # v33's build: the lanes' tags alone (TAG_X_EW: below)
     arch, prog, w = _small_or_laneformer(name)
     ref, hb = _backends(prog, w)
     try:
@@ -733,12 +734,14 @@ def test_tag_x_lanes_0_builds_laneformer_untagged(monkeypatch):
 
 @pytest.mark.parametrize("name,polled", [("laneformer-lane", 2), ("laneformer-replicate", 4), ("laneformer-deep", 6)])
 def test_tag_x_ew_matches_reference(name, polled, monkeypatch):
-    """KOG_HOPPER_TAG_X_EW=1 (session 32, an experiment): the early layers' elementwise lane_residual
-    stages write x with their parity too, and the normed stages after them poll (and the first fused
-    write's reader). Logits at every position and greedy tokens match the reference over several
-    launches, with the expected number of polled readers."""
+    """KOG_HOPPER_TAG_X_EW (session 32; the default since v34): the early layers' elementwise
+    lane_residual stages write x with their parity too, and the normed stages after them poll (and
+    the first fused write's reader). Logits at every position and greedy tokens match the reference
+    over several launches, with the expected number of polled readers. Run with the setting unset:
+    the default must be this build."""
     from kog_nvidia_hopper import schedule as S
-    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
+    monkeypatch.delenv("KOG_HOPPER_TAG_X_EW", raising=False)
+    monkeypatch.delenv("KOG_HOPPER_TAG_X_LANES", raising=False)
     arch, prog, w = _small_or_laneformer(name)
     ref, hb = _backends(prog, w)
     try:
@@ -752,8 +755,9 @@ def test_tag_x_ew_matches_reference(name, polled, monkeypatch):
 
 
 def test_tag_x_ew_on_laneformer_2b(monkeypatch):
-    """KOG_HOPPER_TAG_X_EW=1 at laneformer-2b's shapes (28 polled boundaries), and the breakdown's
-    masks (bit 3 skips the elementwise writers: their readers must not poll then) on laneformer-deep."""
+    """KOG_HOPPER_TAG_X_EW=1, asked for, at laneformer-2b's shapes (28 polled boundaries), and the
+    breakdown's masks (bit 3 skips the elementwise writers: their readers must not poll then) on
+    laneformer-deep."""
     monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
     test_benchmark_preset_matches_reference("laneformer-2b")
     test_benchmark_breakdown_finishes_with_the_tags_on("laneformer-deep")
@@ -764,5 +768,6 @@ def test_tag_x_lanes_on_laneformer_2b(monkeypatch):
     as test_benchmark_preset_matches_reference; and the breakdown's masks all finish on the small
     Laneformer whose readers poll."""
     monkeypatch.setenv("KOG_HOPPER_TAG_X_LANES", "1")
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "0")  # v33's build (the default adds TAG_X_EW)
     test_benchmark_preset_matches_reference("laneformer-2b")
     test_benchmark_breakdown_finishes_with_the_tags_on("laneformer-deep")

@@ -13,7 +13,7 @@
 #ifndef RMS_BLOCK
 #define RMS_BLOCK 0
 #endif
-// TAG_X_EW (KOG_HOPPER_TAG_X_EW, an experiment; with TAG_X): Laneformer's early (all-reduce) layers'
+// TAG_X_EW (KOG_HOPPER_TAG_X_EW; with TAG_X, on with TAG_X_LANES since v34): Laneformer's early (all-reduce) layers'
 // elementwise lane_residual stores x with its write's parity (EW_OTAG), so the normed matvec after it
 // polls x instead of waiting on this stage's count (schedule.tag_residual_outputs(ew=True)). Its
 // default (0) is set in context.cuh, spliced in earlier, whose polls_on reads it too.
