@@ -1903,18 +1903,15 @@ def test_splitk_count_marks_the_loader_after_each_split_k_stage():
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
     from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
     _compile_clean(**dict(DEFAULT_BUILD, SPLITK_COUNT=1))
-    _compile_clean(**dict(DEFAULT_BUILD, SPLITK_COUNT=1, SPLITK_COUNT_SERIAL=1))
     for bad in (dict(SPLITK_CARRY=1), dict(SPLITK_BULK=1, SPLITK_STAGE_OFF=14336)):  # refused at compile time
         with pytest.raises(KogError, match="SPLITK_COUNT"):
             _compile(**DEFAULT_BUILD, SPLITK_COUNT=1, **bad)
     _nvdisasm_or_skip()
     from kog_nvidia_hopper.cuda_util import source
     from kog_nvidia_hopper.sass_report import disassemble_source, poll_loops
-    for serial in (0, 1):  # the batched re-reads (the default) and session 31's one word at a time
-        src = source(S.header(dict(DEFAULT_BUILD, SPLITK_COUNT=1, SPLITK_COUNT_SERIAL=serial, TAG_X=1)))
-        # (the batched loop's body holds a thread's four word loads: its branch back lies further on)
-        polls = poll_loops(src, disassemble_source(src)[2], window=16 if serial else 64)
-        assert len(polls) >= 6 and all(looped for _, looped in polls), (serial, polls)
+    src = source(S.header(dict(DEFAULT_BUILD, SPLITK_COUNT=1, TAG_X=1)))
+    polls = poll_loops(src, disassemble_source(src)[2])
+    assert len(polls) >= 6 and all(looped for _, looped in polls), polls
 
 
 def test_tag_x_lanes_tags_laneformers_fused_residual_writes_and_their_readers():

@@ -234,12 +234,6 @@ static_assert(XV >= PEND_V, "the pending sums are added in the loader's first ba
 #ifndef SPLITK_COUNT
 #define SPLITK_COUNT 0
 #endif
-// SPLITK_COUNT_SERIAL=1: session 31's poll, each stale word re-read alone until complete, one after
-// another (up to 2 PEND_V round trips after the last add lands); the default re-reads every stale
-// word of the thread in one batch a round, so one round trip (session 35)
-#ifndef SPLITK_COUNT_SERIAL
-#define SPLITK_COUNT_SERIAL 0
-#endif
 #if SPLITK_COUNT && (!SPLITK_DOWN || SPLITK_PAIRS || SPLITK_BULK || SPLITK_CARRY || DYN_POOL || (DEBUG_SPLITK & 1))
 #error "SPLITK_COUNT counts the plain split-K atomics: with SPLITK_DOWN, not PAIRS, BULK, CARRY, a pool or DEBUG_SPLITK bit 0"
 #endif
@@ -392,23 +386,6 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                 }
             }
 #endif
-#if SPLITK_COUNT && !SPLITK_COUNT_SERIAL
-            if (counting && pend && base == 0) {  // every block's add in each word: the stale ones re-read together
-                bool stale = true;
-#pragma unroll 1
-                while (stale) {
-                    stale = false;
-#pragma unroll
-                    for (int u = 0; u < PEND_V; ++u) {
-                        const int i = u * NT + tid;
-                        if (i < K4) {
-                            if (!counted(pa[u][0], gridDim.x)) { stale = true; pa[u][0] = ld_poll_i64x2(pend + acc_ix(4 * i)); }
-                            if (!counted(pa[u][1], gridDim.x)) { stale = true; pa[u][1] = ld_poll_i64x2(pend + acc_ix(4 * i + 2)); }
-                        }
-                    }
-                }
-            }
-#endif
             const bool defer = DEFER_NORM && (mode & IN_NORM);
 #if TAG_X
             const bool held = tagged && (mode & IN_NORM);  // TAG_X: summed after the stale values are re-read (below)
@@ -424,7 +401,7 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                         const u32 ex = __float_as_uint(v[u].x), ey = __float_as_uint(v[u].y);
                         v[u] = make_float4(bf_lo(ex), bf_hi(ex), bf_lo(ey), bf_hi(ey));
                     }
-#if SPLITK_COUNT && SPLITK_COUNT_SERIAL
+#if SPLITK_COUNT
                     if (counting && pend && u < PEND_V && base == 0) {  // every block's add in each word
                         while (!counted(pa[u][0], gridDim.x)) pa[u][0] = ld_poll_i64x2(pend + acc_ix(4 * i));
                         while (!counted(pa[u][1], gridDim.x)) pa[u][1] = ld_poll_i64x2(pend + acc_ix(4 * i + 2));
