@@ -1645,7 +1645,8 @@ def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkey
 def test_tag_x_ew_default_follows_the_lanes_tags(name, env, expected, monkeypatch):
     """With KOG_HOPPER_TAG_X_EW unset, HopperBackend.load tags the elementwise residual writes
     exactly where TAG_X_LANES is on, and refuses nothing elsewhere (only an explicit =1 is an
-    error there, above). The load stops at the ring's sizing, after the setting is resolved."""
+    error there, above); =0 gives v33's build. The load stops at the ring's sizing, after the
+    setting is resolved."""
     from gpu.hopper_models import laneformer_model, model
     from kog_nvidia_hopper.backend import HopperBackend
     from kog_nvidia_hopper.plugin import CAPABILITIES
