@@ -1612,11 +1612,9 @@ def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
     assert sum(n == "cuMemsetD32Async" for n, _ in writes) == 5  # counters, accumulators, pool, tagged, parts
 
 
-@pytest.mark.parametrize("name,extra", [("llama", {}), ("laneformer-lane", {"KOG_HOPPER_TAG_X_LANES": "0"})])
-def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkeypatch):
-    """KOG_HOPPER_TAG_X_EW=1 where TAG_X_LANES does not apply (a Llama-family model) or is turned
-    off: HopperBackend.load, with a driver that only records, stops with one line naming the
-    setting to unset before it builds a kernel."""
+def _unlaunched_backend_and_model(name):
+    """A HopperBackend (132 blocks) whose driver calls all succeed with a fake pointer, so `load`'s
+    checks run without a GPU, and the small test model `name` (tests/gpu/hopper_models)."""
     from gpu.hopper_models import laneformer_model, model
     from kog_nvidia_hopper.backend import HopperBackend
     from kog_nvidia_hopper.plugin import CAPABILITIES
@@ -1625,12 +1623,21 @@ def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkey
         def __getattr__(self, name):
             return lambda *args: (0, 4096)
 
-    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
-    for key, value in extra.items():
-        monkeypatch.setenv(key, value)
     arch, prog, w = (laneformer_model if name.startswith("laneformer") else model)(name)
     hb = HopperBackend.__new__(HopperBackend)
     hb.drv, hb.nb, hb.capabilities, hb.allocs = Driver(), 132, CAPABILITIES, []
+    return hb, prog, w
+
+
+@pytest.mark.parametrize("name,extra", [("llama", {}), ("laneformer-lane", {"KOG_HOPPER_TAG_X_LANES": "0"})])
+def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkeypatch):
+    """KOG_HOPPER_TAG_X_EW=1 where TAG_X_LANES does not apply (a Llama-family model) or is turned
+    off: HopperBackend.load, with a driver that only records, stops with one line naming the
+    setting to unset before it builds a kernel."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
+    for key, value in extra.items():
+        monkeypatch.setenv(key, value)
+    hb, prog, w = _unlaunched_backend_and_model(name)
     with pytest.raises(KogError) as e:
         hb.load(prog, w)
     assert "unset KOG_HOPPER_TAG_X_EW" in str(e.value) and "\n" not in str(e.value)
@@ -1647,13 +1654,7 @@ def test_tag_x_ew_default_follows_the_lanes_tags(name, env, expected, monkeypatc
     exactly where TAG_X_LANES is on, and refuses nothing elsewhere (only an explicit =1 is an
     error there, above); =0 gives v33's build. The load stops at the ring's sizing, after the
     setting is resolved."""
-    from gpu.hopper_models import laneformer_model, model
     from kog_nvidia_hopper.backend import HopperBackend
-    from kog_nvidia_hopper.plugin import CAPABILITIES
-
-    class Driver:  # every call succeeds and returns a fake pointer
-        def __getattr__(self, name):
-            return lambda *args: (0, 4096)
 
     class Resolved(Exception):
         pass
@@ -1666,9 +1667,7 @@ def test_tag_x_ew_default_follows_the_lanes_tags(name, env, expected, monkeypatc
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(HopperBackend, "_ring_slots", stop)
-    arch, prog, w = (laneformer_model if name.startswith("laneformer") else model)(name)
-    hb = HopperBackend.__new__(HopperBackend)
-    hb.drv, hb.nb, hb.capabilities, hb.allocs = Driver(), 132, CAPABILITIES, []
+    hb, prog, w = _unlaunched_backend_and_model(name)
     with pytest.raises(Resolved):
         hb.load(prog, w)
     assert hb.tag_x_ew is expected  # (read off the stages: some elementwise stage writes tagged x)
