@@ -349,6 +349,17 @@ __device__ __forceinline__ uint2 norm_w4(const u16* nws, const uint2* wpre, cons
 // (A pointer: wpre lives in local memory. Kept in registers instead, the kernel spills 56 bytes
 // elsewhere, in the attention and the stage loop.) nws (NORM_SMEM): the same weights copied by this
 // thread into shared memory with cp.async (null: not there); each thread reads only its own copies.
+#if SPLITK_COUNT_SENTINEL || TAG_POLL_SENTINEL
+// The lane that re-reads for its warp: the first lane holding stale data at or after blockIdx.x & 31
+// (so the blocks' polls spread over the lines instead of meeting at one), or -1 if none does.
+// Every lane of the warp must call it (a ballot).
+__device__ __forceinline__ int sentinel_lane(bool stale) {
+    const u32 m = __ballot_sync(0xffffffffu, stale);
+    if (!m) return -1;
+    const int r = blockIdx.x & 31;
+    return (__ffs(__funnelshift_r(m, m, r)) - 1 + r) & 31;  // m rotated right by r: lane r first
+}
+#endif
 __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float* x, const uint2* wpre, const u16* nws) {
     const i64* st = s_desc[c.dcur];
     const int K = (int)st[MV_K], K4 = K >> 2;
@@ -426,27 +437,22 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
                     const int i = u * NT + tid;
                     if (i < K4) stale |= !counted(pa[u][0], gridDim.x) || !counted(pa[u][1], gridDim.x);
                 }
-                const u32 m = __ballot_sync(0xffffffffu, stale);
-                if (m) {  // the first stale lane at or after this block's rotation polls its first stale word
-                    const int r = blockIdx.x & 31;
-                    const int sel = (__ffs(__funnelshift_r(m, m, r)) - 1 + r) & 31;
-                    if ((tid & 31) == sel) {
-                        bool polled = false;
+                if ((tid & 31) == sentinel_lane(stale)) {  // that lane polls its first stale word
+                    bool polled = false;
 #pragma unroll
-                        for (int u = 0; u < PEND_V; ++u) {
-                            const int i = u * NT + tid;
-                            if (i >= K4 || polled) continue;
-                            if (!counted(pa[u][0], gridDim.x)) {
-                                do pa[u][0] = ld_poll_i64x2(pend + acc_ix(4 * i)); while (!counted(pa[u][0], gridDim.x));
-                                polled = true;
-                            } else if (!counted(pa[u][1], gridDim.x)) {
-                                do pa[u][1] = ld_poll_i64x2(pend + acc_ix(4 * i + 2)); while (!counted(pa[u][1], gridDim.x));
-                                polled = true;
-                            }
+                    for (int u = 0; u < PEND_V; ++u) {
+                        const int i = u * NT + tid;
+                        if (i >= K4 || polled) continue;
+                        if (!counted(pa[u][0], gridDim.x)) {
+                            do pa[u][0] = ld_poll_i64x2(pend + acc_ix(4 * i)); while (!counted(pa[u][0], gridDim.x));
+                            polled = true;
+                        } else if (!counted(pa[u][1], gridDim.x)) {
+                            do pa[u][1] = ld_poll_i64x2(pend + acc_ix(4 * i + 2)); while (!counted(pa[u][1], gridDim.x));
+                            polled = true;
                         }
                     }
-                    __syncwarp();
                 }
+                __syncwarp();
             }
 #endif
 #pragma unroll
@@ -484,16 +490,12 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             int first = -1;  // this lane's first stale float4
 #pragma unroll 1
             for (int i = tid; i < K4; i += NT) if (!has_parity(*x_f4(x, K, i), par)) { first = i; break; }
-            const u32 m = __ballot_sync(0xffffffffu, first >= 0);
-            if (m) {
-                const int r = blockIdx.x & 31;
-                if ((tid & 31) == ((__ffs(__funnelshift_r(m, m, r)) - 1 + r) & 31)) {
-                    float4 v;
-                    do { v = ld_poll4((const float4*)in + first); } while (!has_parity(v, par));
-                    *x_f4(x, K, first) = v;
-                }
-                __syncwarp();
+            if ((tid & 31) == sentinel_lane(first >= 0)) {
+                float4 v;
+                do { v = ld_poll4((const float4*)in + first); } while (!has_parity(v, par));
+                *x_f4(x, K, first) = v;
             }
+            __syncwarp();
         }
 #endif
         // (one float4 at a time: re-reading a whole batch in flight each round measured 0.9% slower
