@@ -1914,53 +1914,6 @@ def test_splitk_count_marks_the_loader_after_each_split_k_stage():
     assert len(polls) >= 6 and all(looped for _, looped in polls), polls
 
 
-def test_splitk_count_sentinel_compiles_clean_and_its_polls_are_loops():
-    """KOG_HOPPER_DEFINES=SPLITK_COUNT_SENTINEL=1 (session 36, an experiment): one lane a warp re-reads
-    one stale count word until it is complete, then the lanes re-read their own. The build (with
-    TAG_X) has no spills, every poll of it is a loop in the machine code, and it is refused at
-    compile time without SPLITK_COUNT."""
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
-    from kog_nvidia_hopper import schedule as S
-    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
-    build = dict(DEFAULT_BUILD, SPLITK_COUNT=1, TAG_X=1, SPLITK_COUNT_SENTINEL=1)
-    _compile_clean(**build)
-    with pytest.raises(KogError, match="SPLITK_COUNT_SENTINEL"):
-        _compile(**dict(DEFAULT_BUILD, SPLITK_COUNT_SENTINEL=1))
-    _nvdisasm_or_skip()
-    from kog_nvidia_hopper.cuda_util import source
-    from kog_nvidia_hopper.sass_report import disassemble_source, poll_loops
-    src = source(S.header(build))
-    base = source(S.header(dict(DEFAULT_BUILD, SPLITK_COUNT=1, TAG_X=1)))
-    polls, base_polls = poll_loops(src, disassemble_source(src)[2]), poll_loops(base, disassemble_source(base)[2])
-    assert len(polls) > len(base_polls) and all(looped for _, looped in polls), polls  # the sentinel's own loops too
-
-
-def test_tag_poll_sentinel_compiles_clean_and_its_polls_are_loops():
-    """KOG_HOPPER_DEFINES=TAG_POLL_SENTINEL=1 (session 36, an experiment): while a warp holds stale
-    float4s of a tagged input row, one lane re-reads its first until it carries the parity, then the
-    lanes re-read their own. The Llama default build with it has no spills and every poll is a
-    loop (one more than the default's); a Laneformer-shaped build (TAG_DOWN and TAG_X_EW too)
-    spills at most the kernel entry's 4 bytes; refused at compile time without a tagged input row."""
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
-    from kog_nvidia_hopper import schedule as S
-    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD
-    build = dict(DEFAULT_BUILD, TAG_POLL_SENTINEL=1)
-    _compile_clean(**build)
-    with pytest.raises(KogError, match="TAG_POLL_SENTINEL"):
-        _compile(**dict(DEFAULT_BUILD, TAG_DOWN=0, TAG_OPROJ=0, TAG_X=0, TAG_POLL_SENTINEL=1))
-    _, stages = _laneformer2b_stages_tagged_before_x()
-    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
-              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1, TAG_QKV=1, TAG_OPROJ=1, TAG_DOWN=1, TAG_X=1,
-              TAG_X_EW=1)
-    _compile_clean_but_entry(**lf, TAG_POLL_SENTINEL=1)
-    _nvdisasm_or_skip()
-    from kog_nvidia_hopper.cuda_util import source
-    from kog_nvidia_hopper.sass_report import disassemble_source, poll_loops
-    src, base = source(S.header(build)), source(S.header(DEFAULT_BUILD))
-    polls = poll_loops(src, disassemble_source(src)[2])
-    assert len(polls) == len(poll_loops(base, disassemble_source(base)[2])) + 1, polls
-    assert all(looped for _, looped in polls), polls
-
 def test_tag_x_lanes_tags_laneformers_fused_residual_writes_and_their_readers():
     """schedule.tag_residual_outputs(lanes=True) (KOG_HOPPER_TAG_X_LANES): on laneformer-2b each
     delayed layer's two fused DTP residuals (o_proj's and down_proj's tail passes; not the last

@@ -683,46 +683,6 @@ def test_splitk_count_on_the_benchmark_presets(preset, monkeypatch):
     test_benchmark_preset_matches_reference(preset)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "bench-2b"])
-def test_splitk_count_sentinel_matches_reference(name, monkeypatch):
-    """KOG_HOPPER_DEFINES=SPLITK_COUNT_SENTINEL=1 (session 36, an experiment) with SPLITK_COUNT and
-    TAG_X: a warp's lanes wait on one lane's re-reads of one stale count word, then re-read their
-    own; on the small models (logits, greedy, seeded sampling) and at bench-2b's shapes (132 blocks'
-    adds in each of 2,048 words)."""
-    monkeypatch.setenv("KOG_HOPPER_SPLITK_COUNT", "1")
-    monkeypatch.setenv("KOG_HOPPER_TAG_X", "1")
-    monkeypatch.setenv("KOG_HOPPER_DEFINES", "SPLITK_COUNT_SENTINEL=1")
-    if name == "bench-2b":
-        test_benchmark_preset_matches_reference(name)
-        return
-    if name not in SMALL:
-        pytest.skip(f"no small model {name!r}")
-    def check(hb, prog):
-        assert hb.variant.get("SPLITK_COUNT") == 1 and hb.variant.get("SPLITK_COUNT_SENTINEL") == 1
-    _matches_reference_with(name, monkeypatch, {}, check)
-
-
-@pytest.mark.parametrize("name", ["llama", "mistral", "laneformer-deep", "bench-2b", "laneformer-2b"])
-def test_tag_poll_sentinel_matches_reference(name, monkeypatch):
-    """KOG_HOPPER_DEFINES=TAG_POLL_SENTINEL=1 (session 36, an experiment) on the default build: a
-    warp's lanes wait on one lane's re-reads of one stale float4 of a tagged input row (TAG_X,
-    TAG_OPROJ, TAG_DOWN; Laneformer's lanes), then re-read their own. Small models (logits and
-    greedy over several launches) and the presets' shapes."""
-    monkeypatch.setenv("KOG_HOPPER_DEFINES", "TAG_POLL_SENTINEL=1")
-    if name in ("bench-2b", "laneformer-2b"):
-        test_benchmark_preset_matches_reference(name)
-        return
-    arch, prog, w = _small_or_laneformer(name)
-    ref, hb = _backends(prog, w)
-    try:
-        assert hb.variant.get("TAG_POLL_SENTINEL") == 1
-        from kog_nvidia_hopper import schedule as S
-        assert any(st.type == "matvec" and st.f["MV_FLAGS"] & S.CONSTS["MVF_TAG_IN"] for st in hb.stages)
-        _assert_logits_and_greedy_match(hb, ref, prog.vocab_size, n_tokens=120, seed=8, max_tokens=64)
-    finally:
-        hb.close()
-
-
 def test_benchmark_breakdown_finishes_with_splitk_count(monkeypatch):
     """The breakdown's masks with KOG_HOPPER_SPLITK_COUNT=1 and TAG_X (a mask that skips the split-K
     stage must not leave a loader polling for its counts): every mask finishes and a request after

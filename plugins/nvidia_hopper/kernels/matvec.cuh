@@ -121,17 +121,6 @@ __device__ __forceinline__ u32 tag_parity(const i64* st, int it) { return tag_pa
 #error "TAG_X checks the input's parity on the register path only: not with X_CPASYNC"
 #endif
 #define TAG_IN (TAG_DOWN || TAG_OPROJ || TAG_X)  // some matvec stage may take a tagged input row
-// TAG_POLL_SENTINEL (with TAG_IN; KOG_HOPPER_DEFINES=TAG_POLL_SENTINEL=1, session 36, an experiment):
-// SPLITK_COUNT_SENTINEL's poll for a tagged input row. While some lane of a warp holds a stale
-// float4, one lane (rotated by block) re-reads its first stale one until it carries the parity, then
-// every lane re-reads its own (the loop below, which stays the check): a warp's 32 re-reads a round
-// become one while the writer is still at work.
-#ifndef TAG_POLL_SENTINEL
-#define TAG_POLL_SENTINEL 0
-#endif
-#if TAG_POLL_SENTINEL && !TAG_IN
-#error "TAG_POLL_SENTINEL changes a tagged input row's poll: with TAG_DOWN, TAG_OPROJ or TAG_X"
-#endif
 // the parity a stage writes its outputs with: MV_OTAG where a stage's input and output are both
 // tagged (TAG_X's o_proj); the same value as MV_TAG otherwise (schedule sets both)
 __device__ __forceinline__ u32 tag_out_parity(const i64* st, int it) { return tag_parity_of((u32)st[TAG_X ? MV_OTAG : MV_TAG], it); }
@@ -245,20 +234,6 @@ static_assert(XV >= PEND_V, "the pending sums are added in the loader's first ba
 #ifndef SPLITK_COUNT
 #define SPLITK_COUNT 0
 #endif
-// SPLITK_COUNT_SENTINEL (with SPLITK_COUNT; KOG_HOPPER_DEFINES=SPLITK_COUNT_SENTINEL=1, session 36): while
-// a warp's words are not all counted, only one of its lanes re-reads, one stale word, until that word
-// is complete; then every lane re-reads its own stale words (the loops below, which stay the check).
-// Why: the serial poll (every lane re-reading its words, -2.2% on an H100) and the batched one (-3.0%)
-// both lost to their re-reads meeting the 132 blocks' atomics at the same L2 lines (session 35); a
-// block's adds land within a short window, so one word's completion says its warp's others are about
-// to be. 1/32 of the poll traffic. The polling lane is rotated by block so that the blocks' polls
-// spread over the accumulator's lines instead of meeting at one.
-#ifndef SPLITK_COUNT_SENTINEL
-#define SPLITK_COUNT_SENTINEL 0
-#endif
-#if SPLITK_COUNT_SENTINEL && !SPLITK_COUNT
-#error "SPLITK_COUNT_SENTINEL changes SPLITK_COUNT's poll: with SPLITK_COUNT"
-#endif
 #if SPLITK_COUNT && (!SPLITK_DOWN || SPLITK_PAIRS || SPLITK_BULK || SPLITK_CARRY || DYN_POOL || (DEBUG_SPLITK & 1))
 #error "SPLITK_COUNT counts the plain split-K atomics: with SPLITK_DOWN, not PAIRS, BULK, CARRY, a pool or DEBUG_SPLITK bit 0"
 #endif
@@ -349,17 +324,6 @@ __device__ __forceinline__ uint2 norm_w4(const u16* nws, const uint2* wpre, cons
 // (A pointer: wpre lives in local memory. Kept in registers instead, the kernel spills 56 bytes
 // elsewhere, in the attention and the stage loop.) nws (NORM_SMEM): the same weights copied by this
 // thread into shared memory with cp.async (null: not there); each thread reads only its own copies.
-#if SPLITK_COUNT_SENTINEL || TAG_POLL_SENTINEL
-// The lane that re-reads for its warp: the first lane holding stale data at or after blockIdx.x & 31
-// (so the blocks' polls spread over the lines instead of meeting at one), or -1 if none does.
-// Every lane of the warp must call it (a ballot).
-__device__ __forceinline__ int sentinel_lane(bool stale) {
-    const u32 m = __ballot_sync(0xffffffffu, stale);
-    if (!m) return -1;
-    const int r = blockIdx.x & 31;
-    return (__ffs(__funnelshift_r(m, m, r)) - 1 + r) & 31;  // m rotated right by r: lane r first
-}
-#endif
 __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float* x, const uint2* wpre, const u16* nws) {
     const i64* st = s_desc[c.dcur];
     const int K = (int)st[MV_K], K4 = K >> 2;
@@ -429,32 +393,6 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
             constexpr bool held = false;
 #endif
             if (defer && NORM_SMEM && nws && base == 0) cp_wait_all();  // this thread's own norm-weight copies
-#if SPLITK_COUNT && SPLITK_COUNT_SENTINEL
-            if (counting && pend && base == 0) {  // (uniform over the block: every lane reaches the ballot)
-                bool stale = false;
-#pragma unroll
-                for (int u = 0; u < PEND_V; ++u) {
-                    const int i = u * NT + tid;
-                    if (i < K4) stale |= !counted(pa[u][0], gridDim.x) || !counted(pa[u][1], gridDim.x);
-                }
-                if ((tid & 31) == sentinel_lane(stale)) {  // that lane polls its first stale word
-                    bool polled = false;
-#pragma unroll
-                    for (int u = 0; u < PEND_V; ++u) {
-                        const int i = u * NT + tid;
-                        if (i >= K4 || polled) continue;
-                        if (!counted(pa[u][0], gridDim.x)) {
-                            do pa[u][0] = ld_poll_i64x2(pend + acc_ix(4 * i)); while (!counted(pa[u][0], gridDim.x));
-                            polled = true;
-                        } else if (!counted(pa[u][1], gridDim.x)) {
-                            do pa[u][1] = ld_poll_i64x2(pend + acc_ix(4 * i + 2)); while (!counted(pa[u][1], gridDim.x));
-                            polled = true;
-                        }
-                    }
-                }
-                __syncwarp();
-            }
-#endif
 #pragma unroll
             for (int u = 0; u < XV; ++u) {
                 const int i = base + u * NT + tid;
@@ -485,19 +423,6 @@ __device__ __forceinline__ void mv_load_x(const Ctx& c, int lane, int li, float*
         }
     }
     if (TAG_IN && tagged) {  // TAG_DOWN / TAG_OPROJ / TAG_X: re-read this thread's stale float4s
-#if TAG_POLL_SENTINEL
-        {  // (tagged is uniform over the block: every lane reaches the ballot)
-            int first = -1;  // this lane's first stale float4
-#pragma unroll 1
-            for (int i = tid; i < K4; i += NT) if (!has_parity(*x_f4(x, K, i), par)) { first = i; break; }
-            if ((tid & 31) == sentinel_lane(first >= 0)) {
-                float4 v;
-                do { v = ld_poll4((const float4*)in + first); } while (!has_parity(v, par));
-                *x_f4(x, K, first) = v;
-            }
-            __syncwarp();
-        }
-#endif
         // (one float4 at a time: re-reading a whole batch in flight each round measured 0.9% slower
         // than the default in session 11, where this version was +0.3% in session 10: the rounds'
         // re-reads of the whole row load L2 while the rings stream)
