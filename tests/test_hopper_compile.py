@@ -1629,12 +1629,13 @@ def _unlaunched_backend_and_model(name):
     return hb, prog, w
 
 
-@pytest.mark.parametrize("name,extra", [("llama", {}), ("laneformer-lane", {"KOG_HOPPER_TAG_X_LANES": "0"})])
-def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, monkeypatch):
-    """KOG_HOPPER_TAG_X_EW=1 where TAG_X_LANES does not apply (a Llama-family model) or is turned
-    off: HopperBackend.load, with a driver that only records, stops with one line naming the
-    setting to unset before it builds a kernel."""
-    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
+@pytest.mark.parametrize("name,extra,value", [("llama", {}, "1"), ("laneformer-lane", {"KOG_HOPPER_TAG_X_LANES": "0"}, "1"),
+                                              ("llama", {}, "01")])
+def test_tag_x_ew_without_the_lanes_tags_is_a_one_line_error(name, extra, value, monkeypatch):
+    """KOG_HOPPER_TAG_X_EW=1 (any spelling the knob reads as 1) where TAG_X_LANES does not apply (a
+    Llama-family model) or is turned off: HopperBackend.load, with a driver that only records,
+    stops with one line naming the setting to unset before it builds a kernel."""
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", value)
     for key, value in extra.items():
         monkeypatch.setenv(key, value)
     hb, prog, w = _unlaunched_backend_and_model(name)

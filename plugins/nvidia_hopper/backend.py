@@ -334,8 +334,9 @@ class HopperBackend(KernelBackend):
         # KOG_HOPPER_TAG_X_EW (the default since v34 wherever TAG_X_LANES is on: +0.26% on laneformer-2b,
         # ten rows over two calls on an H100, session 35): also the elementwise lane_residual stages of
         # Laneformer's early (all-reduce) layers write x with their parity; =0 gives v33's build
-        explicit_x_ew = os.environ.get("KOG_HOPPER_TAG_X_EW") == "1"
-        tag_x_ew = bool(_env_int("KOG_HOPPER_TAG_X_EW", 1, lo=0, hi=1)) and tag_x_lanes
+        asked_x_ew = _env_int("KOG_HOPPER_TAG_X_EW", 1, lo=0, hi=1)  # one reading: "01" is "1" here too
+        explicit_x_ew = asked_x_ew == 1 and "KOG_HOPPER_TAG_X_EW" in os.environ
+        tag_x_ew = bool(asked_x_ew) and tag_x_lanes
         if explicit_x_ew and not tag_x_lanes:  # a Llama-family model, or the lanes' tags turned off
             raise KogError("KOG_HOPPER_TAG_X_EW=1 extends KOG_HOPPER_TAG_X_LANES, which needs a Laneformer with its DTP "
                            "residual fused (not KOG_HOPPER_TAG_X_LANES=0, KOG_HOPPER_TAG_X=0 or KOG_HOPPER_X_CPASYNC=1): "
