@@ -559,6 +559,29 @@ def test_ticket_and_stop_check_experiments_compile_clean_and_differ():
         assert cubin != base, extra
 
 
+def test_signal_arrive_experiment_compiles_clean_and_differs():
+    """SIGNAL_ARRIVE=1 (an experiment, off until measured; decode.cu): the consumers arrive on the
+    signal warp's barrier (bar.arrive, barriers 3 and 4 by the stage's parity) instead of syncing
+    with it. bench-2b's and laneformer-2b's builds with it have no spills (laneformer-2b's: at most
+    its 4 entry bytes), differ from the default's and hold the arrive and the syncs in the SASS."""
+    from kog_nvidia_hopper import schedule as S
+    b2 = dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
+              RING_OFF=32768, PREFETCH=0, SPLITK_DOWN=1)
+    base, _, _ = _compile_clean(**b2)
+    on, _, _ = _compile_clean(**b2, SIGNAL_ARRIVE=1)
+    assert on != base
+    stages = S.lower(_laneformer2b_program(), 132, 320, 1, fuse_lane_residual=True)
+    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
+              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1)
+    _compile_clean_but_entry(**lf, SIGNAL_ARRIVE=1)
+    _nvdisasm_or_skip()
+    from kog_nvidia_hopper.cuda_util import source
+    from kog_nvidia_hopper.sass_report import disassemble_source
+    sass = disassemble_source(source(S.header(dict(b2, SIGNAL_ARRIVE=1))))[2]
+    assert "BAR.ARV" in sass and "BAR.SYNC" in sass
+    assert "BAR.ARV" not in disassemble_source(source(S.header(b2)))[2]
+
+
 @pytest.mark.parametrize("extra", [dict(X_CPASYNC=1), dict(X_CPASYNC=1, COMPACT_ATTENTION=1)])
 def test_input_rows_by_cp_async_experiment_compiles(extra):
     """KOG_HOPPER_X_CPASYNC=1 (an experiment, off; 13% slower, session 9): a stage's input row by

@@ -108,6 +108,30 @@ __device__ __forceinline__ void stage_end_sync() {
     if (STAGE_BAR) asm volatile("bar.sync 2, %0;" :: "n"(NT + 32) : "memory");
     else csync();
 }
+
+// SIGNAL_ARRIVE (with STAGE_BAR; an experiment, off until measured): the consumers do not wait for
+// the signal warp at a stage's end. With the tags a stage waits on the count of the stage two back,
+// so the consumers can finish stage s + 1 while the signal warp is still in the release fence of
+// stage s (1.0-1.6 us behind a matvec stage's copies in flight); in a bar.sync of both they then
+// stall, and so do the ring's empty slots. Here the consumers sync among themselves and warp 0
+// alone arrives (bar.arrive: its writes and, through the consumers' barrier, theirs are ordered
+// before the signal warp's bar.sync and so before its cumulative release) on barrier 3 or 4 by the
+// stage's parity; the signal warp syncs on them in turn. A barrier may take warp 0's arrival for
+// stage sd only once the signal warp has left it for stage sd - 2 (else two arrivals would complete
+// it with no waiter): warp 0 checks s_sig_passed, which the signal warp sets as it leaves each.
+#ifndef SIGNAL_ARRIVE
+#define SIGNAL_ARRIVE 0
+#endif
+#define STAGE_ARRIVE (STAGE_BAR && SIGNAL_ARRIVE)
+__shared__ u32 s_sig_passed;  // STAGE_ARRIVE: stage barriers the signal warp has left (sd + 1)
+__device__ __forceinline__ void stage_end_arrive(u32 sd) {
+    csync();  // the consumers' own end of the stage
+    if (threadIdx.x < 32) {
+        if (threadIdx.x == 0) while ((u32)atomicAdd(&s_sig_passed, 0u) + 1u < sd) {}
+        __syncwarp();
+        asm volatile("bar.arrive %0, 64;" :: "r"(3 + (sd & 1u)) : "memory");
+    }
+}
 __device__ __noinline__ void signal_stages_bar(u32* counters, int nst, const i64* run) {
     const bool last_only = ((int)run[R_SKIP] >> 8) & 1;  // benchmark bit 8: only the token's last stage signals
 #ifdef TRACE
@@ -115,7 +139,12 @@ __device__ __noinline__ void signal_stages_bar(u32* counters, int nst, const i64
     const int tit0 = (int)run[R_TRACE_IT0];
 #endif
     for (u32 done = 0;; ++done) {
-        stage_end_sync();
+        if (STAGE_ARRIVE) {
+            asm volatile("bar.sync %0, 64;" :: "r"(3 + (done & 1u)) : "memory");
+            if ((threadIdx.x & 31) == 0) atomicExch(&s_sig_passed, done + 1);
+        } else {
+            stage_end_sync();
+        }
         if (atomicAdd(&s_done, 0)) return;  // set before the consumers' final barrier (atomics on both sides)
         const u32 s = done % (u32)nst;
         if ((threadIdx.x & 31) == 0 && (!last_only || s == (u32)nst - 1)) {
@@ -163,6 +192,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
         for (int i = 0; i < NSLOTS; ++i) { mbar_init(&full_bar[i], FULL_ARRIVALS); mbar_init(&empty_bar[i], NT); }
         s_done = 0;
         if (SIGNAL_WARP) s_staged = 0;
+        if (STAGE_ARRIVE) s_sig_passed = 0;
 #if SAMPLE_GRID
         s_sg_round = 0;
         s_sg_used = 0;
@@ -240,7 +270,8 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             else if (type == ST_EW) run_ew(c);
             else if (type == ST_SAMPLE) run_sample(c);
             cp_wait_all();  // the next stage's row (visible to all consumers after the barrier)
-            stage_end_sync();  // with STAGE_BAR the signal warp wakes here and releases the stage
+            if (STAGE_ARRIVE) stage_end_arrive(sd);  // the signal warp wakes and releases the stage
+            else stage_end_sync();  // with STAGE_BAR the signal warp wakes here and releases the stage
             TMARK(c, 3);
             // release: every write of this block (ordered by the barrier) is visible before the count.
             // Benchmark bit 8 (with bit 6, no waits): only the token's last stage signals.
@@ -254,5 +285,6 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
         if (ldi64(run + R_STOP)) break;
     }
     if (threadIdx.x == 0) atomicExch(&s_done, 1);  // the producer drains its copies in flight and exits
-    if (STAGE_BAR) stage_end_sync();  // the signal warp wakes, finds s_done set and exits
+    if (STAGE_ARRIVE) stage_end_arrive(sd);  // the signal warp wakes, finds s_done set and exits
+    else if (STAGE_BAR) stage_end_sync();
 }
