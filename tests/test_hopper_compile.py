@@ -123,6 +123,24 @@ def _bench2b_stages_as_loaded():
 
 
 @functools.lru_cache(maxsize=None)
+def _bench2b_build() -> dict:
+    """bench-2b's compile-time settings as the backend sets them (its attention shapes compiled in,
+    5 slots of 31 KB, the MLP fused as a split-K stage)."""
+    from kog_nvidia_hopper import schedule as S
+    return dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
+                RING_OFF=32768, PREFETCH=0, SPLITK_DOWN=1)
+
+
+def _laneformer2b_build(stages=None) -> dict:
+    """laneformer-2b's compile-time settings (its attention shapes from `stages`, by default its
+    stages lowered with the fused DTP residual), without the tags."""
+    from kog_nvidia_hopper import schedule as S
+    if stages is None:
+        stages = S.lower(_laneformer2b_program(), 132, 320, 1, fuse_lane_residual=True)
+    return dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
+                RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1)
+
+
 def _bench2b_shape_consts() -> tuple:
     """The attention's compile-time shapes (ATC_*) of bench-2b's default build, as sorted pairs."""
     from kog_nvidia_hopper import schedule as S
@@ -550,9 +568,7 @@ def test_ticket_and_stop_check_experiments_compile_clean_and_differ():
     pass; not yet run on a GPU):
     bench-2b's build with each has no spills and is not the default's machine code (their GPU
     tests: the default's, with KOG_HOPPER_DEFINES set)."""
-    from kog_nvidia_hopper import schedule as S
-    b2 = dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
-              RING_OFF=32768, PREFETCH=0, SPLITK_DOWN=1)
+    b2 = _bench2b_build()
     base, _, _ = _compile_clean(**b2)
     for extra in (dict(ATT_TICKET_ACQREL=1), dict(SAMPLE_TAIL=1), dict(ATT_TAGS=1), dict(ATT_TAGS=1, ATT_TAG_BATCH=0)):
         cubin, _, _ = _compile_clean(**b2, **extra)
@@ -565,14 +581,11 @@ def test_signal_arrive_experiment_compiles_clean_and_differs():
     with it. bench-2b's and laneformer-2b's builds with it have no spills (laneformer-2b's: at most
     its 4 entry bytes), differ from the default's and hold the arrive and the syncs in the SASS."""
     from kog_nvidia_hopper import schedule as S
-    b2 = dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
-              RING_OFF=32768, PREFETCH=0, SPLITK_DOWN=1)
+    b2 = _bench2b_build()
     base, _, _ = _compile_clean(**b2)
     on, _, _ = _compile_clean(**b2, SIGNAL_ARRIVE=1)
     assert on != base
-    stages = S.lower(_laneformer2b_program(), 132, 320, 1, fuse_lane_residual=True)
-    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
-              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1)
+    lf = _laneformer2b_build()
     _compile_clean_but_entry(**lf, SIGNAL_ARRIVE=1)
     _nvdisasm_or_skip()
     from kog_nvidia_hopper.cuda_util import source
@@ -595,15 +608,11 @@ def test_smem_addr_intrinsic_default_and_its_old_form_compile():
     compiler's conversion; =0, the old inline-asm cvta, still compiles clean and differs. bench-2b's
     default build has no spills; laneformer-2b's, at the register bound, spills 4 bytes at the
     kernel's entry only (a value reloaded a stage at most; without the intrinsic it has none)."""
-    from kog_nvidia_hopper import schedule as S
-    b2 = dict(DEFAULT, **S.attention_shape_consts(_bench2b_stages_as_loaded()), NSLOTS=5, SLOT_BYTES=31744,
-              RING_OFF=32768, PREFETCH=0, SPLITK_DOWN=1)  # a Llama-family model's MLP fused (session 20)
+    b2 = _bench2b_build()  # a Llama-family model's MLP fused (session 20)
     on, _, _ = _compile_clean(**b2)
     off, _, _ = _compile_clean(**b2, SMEM_ADDR_INTRINSIC=0)
     assert on != off
-    stages = S.lower(_laneformer2b_program(), 132, 320, 1, fuse_lane_residual=True)
-    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
-              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1)
+    lf = _laneformer2b_build()
     _compile_clean_but_entry(**lf)
     _compile_clean(**lf, SMEM_ADDR_INTRINSIC=0)
 
@@ -1967,8 +1976,7 @@ def test_tag_x_lanes_tags_laneformers_fused_residual_writes_and_their_readers():
         assert _write_complete_when_counted(stages, prev, r - 2) or prev + 1 <= r - 2
     assert not any(st.f.get("MV_FLAGS", 0) & C["MVF_TAG_OUT"] and st.f.get("MV_OTAG", 0) >> 16 == 31 for st in stages)
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
-    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
-              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1, TAG_QKV=1, TAG_OPROJ=1, TAG_DOWN=1, TAG_X=1)
+    lf = dict(_laneformer2b_build(stages), TAG_QKV=1, TAG_OPROJ=1, TAG_DOWN=1, TAG_X=1)
     _compile_clean_but_entry(**lf)
     _nvdisasm_or_skip()
     from kog_nvidia_hopper.cuda_util import source
@@ -2008,8 +2016,7 @@ def test_tag_x_ew_tags_laneformers_elementwise_residual_writes_and_their_readers
         assert stages[r].f["MV_TAG"] == tag and S.stage_waits_on(stages, r) == r - 2
         assert _write_complete_when_counted(stages, prev, r - 2) or prev + 1 <= r - 2
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
-    lf = dict(DEFAULT, **S.attention_shape_consts(stages), NSLOTS=5, SLOT_BYTES=31744, RING_OFF=30720, PREFETCH=0,
-              RMS_BLOCK=1, LANE_RESIDUAL=1, WIDE_ITEMS=1, LANES_LOAD=1, TAG_QKV=1, TAG_OPROJ=1, TAG_DOWN=1, TAG_X=1)
+    lf = dict(_laneformer2b_build(stages), TAG_QKV=1, TAG_OPROJ=1, TAG_DOWN=1, TAG_X=1)
     _compile_clean_but_entry(**lf, TAG_X_EW=1)
     _nvdisasm_or_skip()
     from kog_nvidia_hopper.cuda_util import source

@@ -104,10 +104,6 @@ __device__ __noinline__ void signal_stages(u32* counters, int nst, const i64* ru
 #define SIGNAL_BAR 0
 #endif
 #define STAGE_BAR (SIGNAL_WARP && SIGNAL_BAR)
-__device__ __forceinline__ void stage_end_sync() {
-    if (STAGE_BAR) asm volatile("bar.sync 2, %0;" :: "n"(NT + 32) : "memory");
-    else csync();
-}
 
 // SIGNAL_ARRIVE (with STAGE_BAR; an experiment, off until measured): the consumers do not wait for
 // the signal warp at a stage's end. With the tags a stage waits on the count of the stage two back,
@@ -124,12 +120,30 @@ __device__ __forceinline__ void stage_end_sync() {
 #endif
 #define STAGE_ARRIVE (STAGE_BAR && SIGNAL_ARRIVE)
 __shared__ u32 s_sig_passed;  // STAGE_ARRIVE: stage barriers the signal warp has left (sd + 1)
-__device__ __forceinline__ void stage_end_arrive(u32 sd) {
-    csync();  // the consumers' own end of the stage
-    if (threadIdx.x < 32) {
-        if (threadIdx.x == 0) while ((u32)atomicAdd(&s_sig_passed, 0u) + 1u < sd) {}
-        __syncwarp();
-        asm volatile("bar.arrive %0, 64;" :: "r"(3 + (sd & 1u)) : "memory");
+
+// The consumers' end of stage sd (the sd-th stage this block has run).
+__device__ __forceinline__ void stage_end_sync(u32 sd) {
+    if (STAGE_ARRIVE) {
+        csync();  // the consumers' own end of the stage
+        if (threadIdx.x < 32) {
+            if (threadIdx.x == 0) while ((u32)atomicAdd(&s_sig_passed, 0u) + 1u < sd) {}
+            __syncwarp();
+            asm volatile("bar.arrive %0, 64;" :: "r"(3 + (sd & 1u)) : "memory");
+        }
+    } else if (STAGE_BAR) {
+        asm volatile("bar.sync 2, %0;" :: "n"(NT + 32) : "memory");
+    } else {
+        csync();
+    }
+}
+
+// The signal warp's side of it (STAGE_BAR): wake once the consumers have ended stage `done`.
+__device__ __forceinline__ void signal_wait_stage_end(u32 done) {
+    if (STAGE_ARRIVE) {
+        asm volatile("bar.sync %0, 64;" :: "r"(3 + (done & 1u)) : "memory");
+        if ((threadIdx.x & 31) == 0) atomicExch(&s_sig_passed, done + 1);
+    } else {
+        asm volatile("bar.sync 2, %0;" :: "n"(NT + 32) : "memory");
     }
 }
 __device__ __noinline__ void signal_stages_bar(u32* counters, int nst, const i64* run) {
@@ -139,12 +153,7 @@ __device__ __noinline__ void signal_stages_bar(u32* counters, int nst, const i64
     const int tit0 = (int)run[R_TRACE_IT0];
 #endif
     for (u32 done = 0;; ++done) {
-        if (STAGE_ARRIVE) {
-            asm volatile("bar.sync %0, 64;" :: "r"(3 + (done & 1u)) : "memory");
-            if ((threadIdx.x & 31) == 0) atomicExch(&s_sig_passed, done + 1);
-        } else {
-            stage_end_sync();
-        }
+        signal_wait_stage_end(done);
         if (atomicAdd(&s_done, 0)) return;  // set before the consumers' final barrier (atomics on both sides)
         const u32 s = done % (u32)nst;
         if ((threadIdx.x & 31) == 0 && (!last_only || s == (u32)nst - 1)) {
@@ -270,8 +279,7 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
             else if (type == ST_EW) run_ew(c);
             else if (type == ST_SAMPLE) run_sample(c);
             cp_wait_all();  // the next stage's row (visible to all consumers after the barrier)
-            if (STAGE_ARRIVE) stage_end_arrive(sd);  // the signal warp wakes and releases the stage
-            else stage_end_sync();  // with STAGE_BAR the signal warp wakes here and releases the stage
+            stage_end_sync(sd);  // with STAGE_BAR the signal warp wakes here and releases the stage
             TMARK(c, 3);
             // release: every write of this block (ordered by the barrier) is visible before the count.
             // Benchmark bit 8 (with bit 6, no waits): only the token's last stage signals.
@@ -285,6 +293,5 @@ kog_decode(const i64* __restrict__ stages, int nst, u32* counters, i64* run) {
         if (ldi64(run + R_STOP)) break;
     }
     if (threadIdx.x == 0) atomicExch(&s_done, 1);  // the producer drains its copies in flight and exits
-    if (STAGE_ARRIVE) stage_end_arrive(sd);  // the signal warp wakes, finds s_done set and exits
-    else if (STAGE_BAR) stage_end_sync();
+    if (STAGE_BAR) stage_end_sync(sd);  // the signal warp wakes, finds s_done set and exits
 }
