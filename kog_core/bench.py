@@ -35,8 +35,9 @@ def run_bench(engine, tokens: int = 512, prompt_tokens: int = 16, seed: int = 0,
     kv_dtype = "bf16" if on_device else "f32"
     # One short warm-up request (compilation, caches), then the measured one.
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
-    engine.generate(prompt, max_tokens=4, ignore_eos=True, **sampling)
-    res = engine.generate(prompt, max_tokens=tokens, ignore_eos=True, **sampling)
+    # reuse_prefix=False: the measured request runs its whole prompt (the warm-up's KV would serve it)
+    engine.generate(prompt, max_tokens=4, ignore_eos=True, reuse_prefix=False, **sampling)
+    res = engine.generate(prompt, max_tokens=tokens, ignore_eos=True, reuse_prefix=False, **sampling)
     n = len(res.token_ids)
     weight_bytes = prog.weight_bytes_per_token(weight_dtype)
     per_op = lambda kv_len: prog.bytes_per_op(kv_len=kv_len, weight_dtype=weight_dtype, kv_dtype=kv_dtype)

@@ -57,6 +57,8 @@ class ServerSection(_Strict):
     queue_size: int = Field(16, ge=1, description="requests waiting beyond the one running; more get 429")
     max_body_bytes: int = Field(1 << 20, ge=1024)
     stats_interval_s: float = Field(60.0, gt=0)
+    prefix_reuse: bool = Field(True, description="reuse the KV cache the previous request's prompt + output left "
+                               "(a shared prefix runs once); false: every request runs its whole prompt")
 
 
 class KogConfig(_Strict):

@@ -32,15 +32,16 @@ class GenerationResult:
     ttft_s: float                 # request start -> first new token
     decode_tok_s: float           # new tokens after the first, per second
     total_s: float
+    cached_tokens: int = 0        # prompt tokens whose KV cache the previous request left (not run again)
 
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
     def timings(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "ttft_s": round(self.ttft_s, 6), "decode_tok_s": round(self.decode_tok_s, 3),
-                "total_s": round(self.total_s, 6)}
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens, "ttft_s": round(self.ttft_s, 6),
+                "decode_tok_s": round(self.decode_tok_s, 3), "total_s": round(self.total_s, 6)}
 
 
 @dataclass
@@ -57,6 +58,10 @@ class Engine:
         self.architecture, self.program, self.backend = architecture, program, backend
         self.tokenizer, self.preset, self.model_path, self.load_s = tokenizer, preset, model_path, load_s
         self.sampler = registry.sampler("default")
+        # Prefix reuse: the tokens whose KV cache entries (positions 0 .. n-1) the backend still
+        # holds from the last request; a prompt that starts with them runs only what follows.
+        self.prefix_reuse = bool(getattr(backend.capabilities, "prefix_reuse", False))
+        self._kv_tokens: list[int] = []
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -161,8 +166,13 @@ class Engine:
     def stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-               ignore_eos: bool = False, chat: bool | None = None, cancel: CancelToken | None = None) -> Iterator[StreamChunk]:
-        """Yield text chunks as tokens are generated; the last chunk carries the result."""
+               ignore_eos: bool = False, chat: bool | None = None, cancel: CancelToken | None = None,
+               reuse_prefix: bool = True) -> Iterator[StreamChunk]:
+        """Yield text chunks as tokens are generated; the last chunk carries the result.
+
+        reuse_prefix (with a backend that can, `prefix_reuse`): the part of the prompt that
+        equals the previous request's prompt + output is not run again; the tokens are the same
+        as without it (the same decode path wrote those KV entries). False: run the whole prompt."""
         s = self.config.sampling
         t0 = time.perf_counter()
         ids = self.encode_prompt(prompt, chat)
@@ -190,7 +200,12 @@ class Engine:
         finish = "length"          # max tokens, or the context is full
         hit_stop_string = False
         cancel = cancel or CancelToken()
-        gen = self.backend.generate(ids, self.sampler, params, criteria, cancel)
+        cached = self._reusable_prefix(ids) if reuse_prefix else 0
+        self._kv_tokens = []  # until this request ends cleanly, nothing in the KV cache is vouched for
+        if cached:
+            gen = self.backend.generate(ids[cached:], self.sampler, params, criteria, cancel, start_pos=cached)
+        else:
+            gen = self.backend.generate(ids, self.sampler, params, criteria, cancel)
         try:
             for tok in gen:
                 t_first = t_first or time.perf_counter()
@@ -206,6 +221,11 @@ class Engine:
                     break
         finally:
             gen.close()  # a monokernel backend stops its kernel here
+        # Each output token but the last was fed back (the next one exists), so the KV cache holds
+        # the prompt and out[:-1]; a backend that ran ahead wrote only positions after those. With
+        # no output (cancelled early) the prompt may be part-run: only the reused prefix is sure.
+        if self.prefix_reuse:
+            self._kv_tokens = ids + out[:-1] if out else ids[:cached]
         if cancel.cancelled and finish == "length" and len(out) < budget:
             finish = "cancelled"
         if decoder is not None and not hit_stop_string:
@@ -218,8 +238,20 @@ class Engine:
         n_dec = max(len(out) - 1, 0)
         text = self._final_text(out, stops, matcher)
         res = GenerationResult(out, text, finish, len(ids), (t_first or t_end) - t0,
-                               n_dec / (t_end - t_first) if t_first and n_dec and t_end > t_first else 0.0, t_end - t0)
+                               n_dec / (t_end - t_first) if t_first and n_dec and t_end > t_first else 0.0, t_end - t0,
+                               cached_tokens=cached)
         yield StreamChunk("", [], res)
+
+    def _reusable_prefix(self, ids: list[int]) -> int:
+        """Leading prompt tokens whose KV entries the last request left; at least one token runs
+        (its logits give the first new token)."""
+        if not self.prefix_reuse:
+            return 0
+        kv, n = self._kv_tokens, 0
+        limit = min(len(kv), len(ids) - 1)
+        while n < limit and kv[n] == ids[n]:
+            n += 1
+        return n
 
     def _final_text(self, out: list[int], stops: frozenset[int], matcher: StopStringMatcher) -> str:
         if self.tokenizer is None:
@@ -238,6 +270,7 @@ class Engine:
         ids = self.encode_prompt(list(token_ids))
         if len(ids) > self.program.context_length:
             raise ContextLengthExceeded(f"{len(ids)} tokens exceed the context of {self.program.context_length}")
+        self._kv_tokens = []  # logits() starts the sequence again
         return self.backend.logits(ids)
 
     def close(self):

@@ -40,6 +40,10 @@ class BackendCapabilities:
     max_context: int = 1 << 20
     sampling_on_device: bool = False               # sampling + stop check inside the backend
     architectures: tuple[str, ...] = ()            # e.g. ("sm_90a",)
+    # generate(..., start_pos=p) continues the last sequence: its KV cache entries for positions
+    # < p are still valid, so a prompt sharing a prefix with the previous request + its output
+    # runs only the new tokens (the engine's prefix reuse; agent loops resend a growing context)
+    prefix_reuse: bool = False
 
     def check(self, program: DecodeProgram, ranks: int = 1) -> list[str]:
         """Every reason this backend cannot run the program (empty list: it can)."""
@@ -124,15 +128,20 @@ class KernelBackend(ABC):
         return np.stack([self.step(int(t), i) for i, t in enumerate(token_ids)])
 
     def generate(self, prompt_ids: Sequence[int], sampler: "Sampler", params: SamplingParams,
-                 stop: StopCriteria, cancel: CancelToken | None = None) -> Iterator[int]:
-        """Yield new token ids; stops on a stop token (yielded last), max_tokens or cancel."""
-        self.reset()
+                 stop: StopCriteria, cancel: CancelToken | None = None, start_pos: int = 0) -> Iterator[int]:
+        """Yield new token ids; stops on a stop token (yielded last), max_tokens or cancel.
+
+        start_pos > 0 (only asked of a backend whose capabilities say `prefix_reuse`): prompt_ids
+        are the tokens from position start_pos on, and the KV cache below it is kept from before.
+        The sampler's step count starts at 0 either way, so seeded results do not depend on it."""
+        if start_pos == 0:
+            self.reset()
         logits = None
         for i, t in enumerate(prompt_ids):
             if cancel is not None and cancel.cancelled:
                 return
-            logits = self.step(int(t), i)
-        pos = len(prompt_ids)
+            logits = self.step(int(t), start_pos + i)
+        pos = start_pos + len(prompt_ids)
         for n in range(stop.max_tokens):
             if cancel is not None and cancel.cancelled:
                 return

@@ -131,6 +131,9 @@ def test_chat_matches_greedy(client, expected):
     assert finals == [ref.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.completion_tokens
     assert chunks[-1].usage.prompt_tokens == expected["chat_prompt_tokens"]
+    # the same prompt again: its KV cache was the last request's, all but the last token reused
+    # (and the text above is still the greedy reference's)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == expected["chat_prompt_tokens"] - 1
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -371,5 +374,5 @@ def test_request_log_and_stats_lines(client, caplog):
         r = client.completions.create(model="smol", prompt="Hi", max_tokens=2, temperature=0)
         time.sleep(0.8)  # stats_interval_s is 0.5 in this server
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "kog.server"]
-    assert any(r.id in line and "prompt +" in line and "TTFT" in line and "tok/s" in line for line in lines), lines
+    assert any(r.id in line and "cached) +" in line and "TTFT" in line and "tok/s" in line for line in lines), lines
     assert any(line.startswith("stats:") for line in lines), lines

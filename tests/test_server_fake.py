@@ -161,7 +161,8 @@ def test_held_back_tail_is_streamed(serve, fake):
 def test_max_tokens_clamped_to_context(serve, fake):
     url, _ = serve()
     r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 60, "max_tokens": 1000}, timeout=30).json()
-    assert r["usage"] == {"prompt_tokens": 60, "completion_tokens": 4, "total_tokens": 64}
+    assert r["usage"] == {"prompt_tokens": 60, "completion_tokens": 4, "total_tokens": 64,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert r["choices"][0]["finish_reason"] == "length"
     r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 64}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

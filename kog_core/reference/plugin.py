@@ -9,7 +9,7 @@ def register_backends(register):
         name="reference",
         factory="kog_core.reference.backend:ReferenceBackend",
         capabilities=BackendCapabilities(devices=("cpu",), dtypes=frozenset({"f32", "bf16", "f16"}),
-                                         ops=OP_KINDS, max_lanes=64, max_ranks=64),
+                                         ops=OP_KINDS, max_lanes=64, max_ranks=64, prefix_reuse=True),
         description="numpy float32 on the CPU; the correctness oracle",
         priority=0,
     ))

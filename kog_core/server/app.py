@@ -156,6 +156,7 @@ def create_app(engine, server_config=None):
     model_name = sc.served_model_name or _default_model_name(engine)
     aliases = {model_name, engine.config.model.name or model_name}
     ctx = engine.program.context_length
+    engine.prefix_reuse = getattr(engine, "prefix_reuse", False) and sc.prefix_reuse  # off: no TTFT tells one client of another's prompt
     metrics = Metrics(model_name)
     scheduler = Scheduler(engine, sc.queue_size, metrics)
     created = int(time.time())
@@ -289,7 +290,9 @@ def create_app(engine, server_config=None):
 
     def usage(result) -> dict:
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens}
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+                # OpenAI's field: prompt tokens served from the KV cache the previous request left
+                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
     def error_from(exc: Exception) -> APIError:
         if isinstance(exc, KogError):

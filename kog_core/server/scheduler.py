@@ -170,6 +170,7 @@ class Scheduler:
         self.metrics.observe_first_token(queue_s + result.ttft_s)
         self.metrics.observe_finished(result.prompt_tokens, result.completion_tokens, result.finish_reason,
                                       queue_s, total)
-        log.info("req %s %s: %d prompt + %d completion tokens, queue %.3fs, TTFT %.3fs, %.1f tok/s, "
-                 "finish %s, total %.2fs", job.id, job.endpoint, result.prompt_tokens, result.completion_tokens,
+        log.info("req %s %s: %d prompt (%d cached) + %d completion tokens, queue %.3fs, TTFT %.3fs, %.1f tok/s, "
+                 "finish %s, total %.2fs", job.id, job.endpoint, result.prompt_tokens, result.cached_tokens,
+                 result.completion_tokens,
                  queue_s, queue_s + result.ttft_s, result.decode_tok_s, result.finish_reason, total)

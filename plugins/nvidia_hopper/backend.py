@@ -823,16 +823,19 @@ class HopperBackend(KernelBackend):
         return self._logits_run([int(t) for t in token_ids], 0)
 
     def generate(self, prompt_ids: Sequence[int], sampler, params: SamplingParams, stop: StopCriteria,
-                 cancel: CancelToken | None = None) -> Iterator[int]:
+                 cancel: CancelToken | None = None, start_pos: int = 0) -> Iterator[int]:
+        # start_pos > 0: the KV cache below it is the previous launches' (the kernel writes each
+        # position's K/V row and reads rows <= pos only; its tags and the sampler count from the
+        # launch's first iteration, so nothing else depends on where the sequence started)
         self.reset()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise KogError("generate needs at least one prompt token")
-        if len(prompt) > self.T:
-            raise ContextLengthExceeded(f"prompt of {len(prompt)} tokens exceeds the context of {self.T}")
+        if not 0 <= start_pos or start_pos + len(prompt) > self.T:
+            raise ContextLengthExceeded(f"prompt of {len(prompt)} tokens from position {start_pos} exceeds the context of {self.T}")
         if stop.max_tokens <= 0 or (cancel is not None and cancel.cancelled):
             return
-        self._launch(prompt, 0, int(stop.max_tokens), params, stop.stop_token_ids)
+        self._launch(prompt, int(start_pos), int(stop.max_tokens), params, stop.stop_token_ids)
         seen = 0
         done = False
         # no new token for this long is a kernel that will not finish (an error, not a hang): the

@@ -47,7 +47,8 @@ def probe() -> str | None:
 
 
 CAPABILITIES = BackendCapabilities(devices=("cuda",), dtypes=frozenset({"bf16"}), ops=OPS, max_lanes=64,
-                                   max_ranks=1, sampling_on_device=True, architectures=("sm_90a",))
+                                   max_ranks=1, sampling_on_device=True, architectures=("sm_90a",),
+                                   prefix_reuse=True)
 
 
 @hookimpl

@@ -87,6 +87,34 @@ def test_greedy_128_equals_reference(name):
     assert got == want, f"first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
 
 
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_prefix_reuse_continues_as_a_full_run(name):
+    """generate(start_pos=p) (the engine's prefix reuse) keeps the KV rows below p from the last
+    launch: a continued conversation gives the tokens of a run of its whole prompt, greedy and
+    seeded, also after a request cancelled while the kernel ran ahead of the host."""
+    arch, prog, w, ref, hb = _get(name)
+    S = DefaultSampler()
+    first = [3, 17, 42, 5, 99, 7, 11, 2]
+    for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=4)):
+        out1 = list(hb.generate(first, S, params, StopCriteria(max_tokens=12)))
+        second = first + out1 + [23, 8, 61]
+        want = list(hb.generate(second, S, params, StopCriteria(max_tokens=40)))
+        assert list(hb.generate(first, S, params, StopCriteria(max_tokens=12))) == out1
+        kept = len(first) + len(out1) - 1  # odd: the launch's tags and accumulators start mid-sequence
+        got = list(hb.generate(second[kept:], S, params, StopCriteria(max_tokens=40), start_pos=kept))
+        assert got == want, f"first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    # cancelled after 3 tokens of a long request: rows past the 3rd are the run-ahead's, not ours
+    tok, out = CancelToken(), []
+    for t in hb.generate(first, S, SamplingParams(), StopCriteria(max_tokens=400), tok):
+        out.append(t)
+        if len(out) == 3:
+            tok.cancel()
+    third = first + out[:3] + [30, 31]
+    kept = len(first) + 2
+    got = list(hb.generate(third[kept:], S, SamplingParams(), StopCriteria(max_tokens=30), start_pos=kept))
+    assert got == list(hb.generate(third, S, SamplingParams(), StopCriteria(max_tokens=30)))
+
+
 def test_sampling_is_seeded_and_matches_cpu_definition():
     arch, prog, w, ref, hb = _get("llama")
     assert hb.variant.get("SAMPLE_GRID") == 1  # every block samples (sample_grid.cuh)
