@@ -142,9 +142,9 @@ def test_laneformer_on_two_ranks_continues_as_it_would_start():
     """Laneformer's DTP state lives inside a token (the delay counts layers), so the KV cache is all
     a continued sequence needs; two ranks (kccl threads) and one give the same tokens."""
     from test_laneformer import config, weights_for
-    from kog_laneformer.model import Laneformer
-    from kog_core.engine import Engine as E
     from kog_core.config import KogConfig
+    from kog_core.engine import _make_backend
+    from kog_laneformer.model import Laneformer
 
     arch = Laneformer(config("d2-noearly-lane-perlane-swa-start"))
     weights = weights_for(arch)
@@ -153,9 +153,8 @@ def test_laneformer_on_two_ranks_continues_as_it_would_start():
     outs = []
     for ranks in (1, 2):
         cfg = KogConfig.model_validate({"model": {"name": "laneformer-test"}, "parallel": {"ranks": ranks}})
-        from kog_core.engine import _make_backend
         backend = _make_backend(reg, "reference", cfg, prog, weights)
-        engine = E(cfg, reg, arch, prog, backend, None, None, None, 0.0)
+        engine = Engine(cfg, reg, arch, prog, backend, None, None, None, 0.0)
         first = [1, 6, 9, 4]
         r1 = engine.generate(first, max_tokens=5, ignore_eos=True)
         second = first + r1.token_ids + [3, 12]

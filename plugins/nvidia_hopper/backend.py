@@ -831,7 +831,7 @@ class HopperBackend(KernelBackend):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise KogError("generate needs at least one prompt token")
-        if not 0 <= start_pos or start_pos + len(prompt) > self.T:
+        if start_pos < 0 or start_pos + len(prompt) > self.T:
             raise ContextLengthExceeded(f"prompt of {len(prompt)} tokens from position {start_pos} exceeds the context of {self.T}")
         if stop.max_tokens <= 0 or (cancel is not None and cancel.cancelled):
             return
