@@ -60,7 +60,7 @@ class Engine:
         self.sampler = registry.sampler("default")
         # Prefix reuse: the tokens whose KV cache entries (positions 0 .. n-1) the backend still
         # holds from the last request; a prompt that starts with them runs only what follows.
-        self.prefix_reuse = bool(getattr(backend.capabilities, "prefix_reuse", False))
+        self.prefix_reuse = backend.capabilities.prefix_reuse
         self._kv_tokens: list[int] = []
 
     # ------------------------------------------------------------------ loading

@@ -27,6 +27,7 @@ class FakeEngine:
         self.config = KogConfig.model_validate({"model": {"name": "fake"}})
         self.program = SimpleNamespace(context_length=64, vocab_size=1000)
         self.backend = SimpleNamespace(name="fake")
+        self.prefix_reuse = False  # Engine's attribute, which create_app narrows by [server] prefix_reuse
         self.step_s = step_s
         self.active = 0
         self.overlap = False
