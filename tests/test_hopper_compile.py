@@ -2024,3 +2024,46 @@ def test_tag_x_ew_tags_laneformers_elementwise_residual_writes_and_their_readers
     src = source(S.header(dict(lf, TAG_X_EW=1)))
     polls = poll_loops(src, disassemble_source(src)[2])
     assert len(polls) == 4 and all(looped for _, looped in polls), polls
+
+
+def _no_hopper_settings(monkeypatch):
+    import os
+    for key in [k for k in os.environ if k.startswith("KOG_HOPPER_")]:
+        monkeypatch.delenv(key)
+
+
+def test_plan_builds_what_load_would_on_a_machine_without_a_gpu(monkeypatch):
+    """kog_nvidia_hopper.plan (session 40): bench-2b's default plan is the build the GPU tests and
+    benchmarks run (106 stages, the MLP fused, a 5 x 31 KB ring, no spills), and a setting changes
+    it as `load` would: KOG_HOPPER_TAG_DOWN=1 unfuses the MLP (26 stages more) and polls
+    down_proj's input instead."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
+    from kog_nvidia_hopper.plan import plan
+    _no_hopper_settings(monkeypatch)
+    prog = _bench2b_program()
+    p = plan(prog)
+    v = p["variant"]
+    assert p["stages"] == 106 and (p["slots"], p["slot_bytes"]) == (5, 31744)
+    assert v["SPLITK_DOWN"] == 1 and v["TAG_X"] == 1 and "TAG_DOWN" not in v
+    assert p["ptxas"]["spill_stores"] == p["ptxas"]["spill_loads"] == 0
+    assert 0 < p["ptxas"]["registers"] <= MAX_REGISTERS
+    monkeypatch.setenv("KOG_HOPPER_TAG_DOWN", "1")
+    q = plan(prog)
+    assert q["stages"] == 106 + 26 and q["variant"]["TAG_DOWN"] == 1 and "SPLITK_DOWN" not in q["variant"]
+    assert q["ptxas"]["spill_stores"] == 0
+
+
+def test_plan_reports_a_refused_setting_in_one_line(monkeypatch, capsys):
+    """A setting `load` refuses (TAG_X_EW on a Llama-family model) stops the plan with load's own
+    one-line error, before anything is compiled; the command line prints it as `error: ...`."""
+    from kog_nvidia_hopper import plan as P
+    _no_hopper_settings(monkeypatch)
+    monkeypatch.setenv("KOG_HOPPER_TAG_X_EW", "1")
+    compiled = []
+    monkeypatch.setattr(P, "compile_cubin", lambda *a, **k: compiled.append(1))
+    with pytest.raises(KogError) as e:
+        P.plan(_bench2b_program())
+    assert "unset KOG_HOPPER_TAG_X_EW" in str(e.value) and "\n" not in str(e.value) and not compiled
+    with pytest.raises(SystemExit) as e:
+        P.main(["--preset", "bench-2b"])
+    assert str(e.value).startswith("error: KOG_HOPPER_TAG_X_EW=1") and "\n" not in str(e.value)

@@ -1,0 +1,98 @@
+"""What `HopperBackend.load` would build for a preset, on a machine without a GPU.
+
+Device time is the scarce thing (one call in some sessions), so check a planned call's variants
+here first: each one's KOG_HOPPER_* settings resolve as `load` resolves them (an impossible
+combination stops with `load`'s own one-line error), and the kernel that `load` would compile
+is compiled with NVRTC and its registers and spills reported.
+
+    KOG_HOPPER_TAG_DOWN=1 python3 -m kog_nvidia_hopper.plan --preset bench-2b [--sms 132]
+
+The weights are zeros of the right shapes, so the plan is the real one but nothing is uploaded. The
+device is an sm_90 with `--sms` SMs and 227 KB of opt-in shared memory a block (H100 and H200
+alike; the ring's slots are sized from that).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from kog_core.errors import KogError
+from kog_nvidia_hopper.backend import HopperBackend
+from kog_nvidia_hopper.cuda_util import compile_cubin, ptxas_report, source
+from kog_nvidia_hopper import schedule as S
+
+HOPPER_MAX_SMEM_OPTIN = 232448  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN on H100 / H200
+
+
+class _NoDevice:
+    """Stands in for cuda.bindings.driver: every call succeeds and returns a placeholder address."""
+    def __getattr__(self, name):
+        return lambda *args: (0, 4096)
+
+
+class _Planned(Exception):
+    """Raised where load would load the compiled kernel onto the device: the plan is complete."""
+
+
+class PlanningBackend(HopperBackend):
+    """A HopperBackend that plans and compiles but never touches a device."""
+
+    def __init__(self, sms: int = 132):  # not HopperBackend.__init__: that one opens the GPU
+        from kog_nvidia_hopper.plugin import CAPABILITIES
+        self.drv, self.nb, self.capabilities, self.allocs = _NoDevice(), sms, CAPABILITIES, []
+        self.max_smem = HOPPER_MAX_SMEM_OPTIN
+        self.ptxas: dict = {}
+
+    def _load_kernel(self, variant: dict) -> None:
+        _, log = compile_cubin(source(S.header(variant)))
+        self.ptxas = ptxas_report(log)
+        raise _Planned
+
+
+def plan(program, sms: int = 132) -> dict:
+    """The build `load` would make for `program` under the current KOG_HOPPER_* environment:
+    stages, ring, compile-time settings and ptxas's registers and spills. Raises load's KogError
+    (one line) for settings it refuses."""
+    hb = PlanningBackend(sms)
+    weights = {n: np.zeros(t.shape, np.float32) for n, t in program.tensors.items() if t.kind == "weight"}
+    try:
+        hb.load(program, weights)
+    except _Planned:
+        pass
+    v = hb.variant
+    return {"stages": len(hb.stages), "slots": v["NSLOTS"], "slot_bytes": v["SLOT_BYTES"],
+            "smem": hb.smem, "variant": v, "ptxas": hb.ptxas}
+
+
+def main(argv=None):
+    from kog_nvidia_hopper.bench import build
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", required=True, help="bench-2b, llama-3.2-1b, laneformer-2b, ...")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--sms", type=int, default=132, help="blocks (SMs) to plan for (default 132, the H100 SXM's and the H200's)")
+    ap.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    a = ap.parse_args(argv)
+    _, program = build(a.preset, a.context)
+    try:
+        p = plan(program, a.sms)
+    except KogError as e:
+        raise SystemExit(f"error: {e}")
+    if a.json:
+        print(json.dumps(p, default=str))
+        return
+    r = p["ptxas"]
+    flags = " ".join(f"{k}={v}" for k, v in sorted(p["variant"].items())
+                     if not k.startswith("ATC_"))  # (the attention's shapes, schedule.attention_shape_consts, left out)
+    print(f"{a.preset}: {p['stages']} stages, ring {p['slots']} x {p['slot_bytes'] // 1024} KB, "
+          f"{p['smem']} bytes of shared memory; registers {r.get('registers')}, spill stores "
+          f"{r['spill_stores']} / loads {r['spill_loads']} bytes (entry {r.get('entry_spill_stores', 0)})")
+    print(flags)
+    if r["spill_stores"] or r["spill_loads"]:
+        sys.exit(2)  # a spilling build is worth knowing about before a device call
+
+
+if __name__ == "__main__":
+    main()
