@@ -2067,3 +2067,48 @@ def test_plan_reports_a_refused_setting_in_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         P.main(["--preset", "bench-2b"])
     assert str(e.value).startswith("error: KOG_HOPPER_TAG_X_EW=1") and "\n" not in str(e.value)
+
+
+def _kernels_copy(tmp_path, name, edit):
+    """A copy of kernels/ in tmp_path / name, decode.cu passed through `edit` (a str -> str)."""
+    from kog_nvidia_hopper.cuda_util import KERNEL_DIR
+    d = tmp_path / name
+    d.mkdir()
+    for f in KERNEL_DIR.iterdir():
+        if f.suffix in (".cu", ".cuh"):
+            text = f.read_text()
+            (d / f.name).write_text(edit(text) if f.name == "decode.cu" else text)
+    return d
+
+
+def test_same_code_ignores_comments_and_sees_a_code_change(tmp_path):
+    """sass_report.same_code (--same-as, session 40): a comment that moves every later line leaves
+    the machine code the same (nvdisasm without line info), a change to the code does not. So a
+    kernel refactor that passes it needs no new GPU run."""
+    _nvdisasm_or_skip()
+    from kog_nvidia_hopper.cuda_util import KERNEL_DIR
+    from kog_nvidia_hopper.sass_report import DEFAULT_BUILD, same_code
+    anchor = "            int ws = s - 1;\n"
+    assert anchor in (KERNEL_DIR / "decode.cu").read_text()
+    commented = _kernels_copy(tmp_path, "commented", lambda t: t.replace(anchor, "            // a new comment\n\n" + anchor))
+    changed = _kernels_copy(tmp_path, "changed", lambda t: t.replace(anchor, "            int ws = s - 1 - (int)(c.it > (1 << 30));\n"))
+    assert same_code(DEFAULT_BUILD, KERNEL_DIR, commented)[0].startswith("the same machine code")
+    out = same_code(DEFAULT_BUILD, KERNEL_DIR, changed)
+    assert out[0].startswith("DIFFERENT machine code") and len(out) == 3
+
+
+def test_revision_kernels_reads_a_git_revision(tmp_path):
+    """--same-as REV takes kernels/ from git: HEAD's files are the tree's kernel sources by name;
+    an unknown revision is a one-line error that says what is needed."""
+    import subprocess
+    from kog_nvidia_hopper.cuda_util import KERNEL_DIR
+    from kog_nvidia_hopper.sass_report import revision_kernels
+    if subprocess.run(["git", "-C", str(KERNEL_DIR), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("kernels/ is not in a git checkout (an installed wheel)")
+    got = revision_kernels("HEAD", str(tmp_path))
+    names = sorted(f.name for f in got.iterdir())
+    assert "decode.cu" in names and "matvec.cuh" in names
+    assert all((KERNEL_DIR / n).exists() for n in names)
+    with pytest.raises(KogError) as e:
+        revision_kernels("no-such-revision-x", str(tmp_path))
+    assert "--same-as needs" in str(e.value) and "\n" not in str(e.value)

@@ -39,16 +39,17 @@ def check(res, what="CUDA call"):
     return vals[0] if len(vals) == 1 else vals
 
 
-def kernel_source(name: str) -> str:
+def kernel_source(name: str, kernel_dir: Path = KERNEL_DIR) -> str:
     """A .cu file of kernels/ with its `#include "x.cuh"` lines replaced by those files (NVRTC
-    gets one self-contained source, and the cubin cache key covers the headers too)."""
+    gets one self-contained source, and the cubin cache key covers the headers too). kernel_dir:
+    another copy of kernels/ (sass_report --same-as: a git revision's)."""
     def expand(m):
-        return (KERNEL_DIR / m.group(1)).read_text()
-    return re.sub(r'^#include "([\w.]+\.cuh)".*$', expand, (KERNEL_DIR / name).read_text(), flags=re.M)
+        return (kernel_dir / m.group(1)).read_text()
+    return re.sub(r'^#include "([\w.]+\.cuh)".*$', expand, (kernel_dir / name).read_text(), flags=re.M)
 
 
-def source(header: str) -> str:
-    return header + kernel_source("decode.cu")
+def source(header: str, kernel_dir: Path = KERNEL_DIR) -> str:
+    return header + kernel_source("decode.cu", kernel_dir)
 
 
 def cache_dir() -> Path:

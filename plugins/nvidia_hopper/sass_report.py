@@ -22,12 +22,20 @@ together): ATT_TAGS did (166 registers; -0.3 / -0.7% on an H100), ATT_TICKET_ACQ
 (level). Check it before an A/B of a change outside the matvec: if the loops moved, the A/B
 measures that too (perf notes, session 25).
 
+With --same-as REV it says instead whether the build compiles to the same machine code from the
+working tree's kernels/ and from git revision REV's (nvdisasm without line info, so comments and
+moved lines do not count). A refactor of kernel source that passes this needs no new GPU run.
+The compile-time settings come from this tree's schedule.header either way.
+
+With --preset P the build is the one HopperBackend.load makes for that preset under the current
+KOG_HOPPER_* settings (plan.py) instead of DEFAULT_BUILD; --set applies over it.
+
 With --live it prints instead the live registers (nvdisasm's life ranges) over each item loop:
 how many registers a change there could take before the kernel's count (and every loop's
 schedule) moves, and which lines hold the peak.
 
-    python3 -m kog_nvidia_hopper.sass_report [--set KEY=VALUE ...] [--top N] [--load-use N] [--live]
-                                             [--same-loop KEY=VALUE ...]
+    python3 -m kog_nvidia_hopper.sass_report [--preset P] [--set KEY=VALUE ...] [--top N] [--load-use N]
+                                             [--live] [--same-loop KEY=VALUE ...] [--same-as REV]
 
 nvdisasm comes from the `nvidia-cuda-nvdisasm` wheel (the `test` extra installs it; or `pip download
 --no-deps nvidia-cuda-nvdisasm`, unzip, `nvidia/cu13/bin/nvdisasm`); found through $KOG_NVDISASM,
@@ -304,6 +312,58 @@ def report_load_use(variant: dict, window: int) -> list[str]:
     return out
 
 
+def revision_kernels(rev: str, into: str) -> "Path":
+    """kernels/ as git revision `rev` has it, written under the folder `into`."""
+    from pathlib import Path
+    from kog_nvidia_hopper.cuda_util import KERNEL_DIR
+    def git(*args, where=str(KERNEL_DIR)):
+        r = subprocess.run(["git", "-C", where, *args], capture_output=True, text=True)
+        if r.returncode:
+            raise KogError(f"git {' '.join(args[:2])} failed ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}): "
+                           "--same-as needs kog's git checkout and a revision it has, e.g. --same-as HEAD")
+        return r.stdout
+    prefix = git("rev-parse", "--show-prefix").strip()  # kernels/'s path in the repository
+    top = git("rev-parse", "--show-toplevel").strip()  # (ls-tree reads paths from the working directory)
+    out = Path(into)
+    for name in git("ls-tree", "--name-only", f"{rev}:{prefix}", where=top).split():
+        (out / name).write_text(git("show", f"{rev}:{prefix}{name}", where=top))
+    return out
+
+
+def machine_code(src: str) -> str:
+    """nvdisasm's listing of a build without line info: the instructions and their addresses."""
+    from kog_nvidia_hopper.cuda_util import compile_cubin
+    cubin, _ = compile_cubin(src)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def same_code(variant: dict, kernels_a, kernels_b, name_a: str = "there", name_b: str = "here") -> list[str]:
+    """Whether `variant` compiles to the same machine code from two copies of kernels/; the first
+    line says which ("the same machine code" or "DIFFERENT machine code"), then the first difference."""
+    from kog_nvidia_hopper import schedule as S
+    from kog_nvidia_hopper.cuda_util import source
+    old, new = (machine_code(source(S.header(variant), k)) for k in (kernels_a, kernels_b))
+    a, b = [l for l in old.splitlines() if ";" in l], [l for l in new.splitlines() if ";" in l]
+    if old == new:
+        return [f"the same machine code as {name_a} ({len(b)} instructions)"]
+    out = [f"DIFFERENT machine code from {name_a}: {len(a)} instructions there, {len(b)} {name_b}"]
+    for x, y in zip(a, b):
+        if x != y:
+            out += [f"  first difference, {name_a}: {x.strip()[:120]}", f"  first difference, {name_b}: {y.strip()[:120]}"]
+            break
+    return out
+
+
+def report_same_code(variant: dict, rev: str) -> list[str]:
+    """same_code between git revision `rev`'s kernels/ and the working tree's."""
+    from kog_nvidia_hopper.cuda_util import KERNEL_DIR
+    with tempfile.TemporaryDirectory() as d:
+        return same_code(variant, revision_kernels(rev, d), KERNEL_DIR, rev, "here")
+
+
 def report(variant: dict, top: int = 40) -> list[str]:
     from kog_nvidia_hopper.cuda_util import ptxas_report
     src, log, sass = _disassemble(variant)
@@ -324,6 +384,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", nargs="*", action="extend", default=[],
                     help="build #defines over the default, e.g. --set NSLOTS=4 NT=256 (repeatable)")
+    ap.add_argument("--preset", default=None,
+                    help="the build HopperBackend.load makes for this preset (plan.py) instead of the default build")
+    ap.add_argument("--same-as", default=None, metavar="REV",
+                    help="say instead whether the working tree's kernels compile to the same machine code as "
+                         "git revision REV's, e.g. --same-as HEAD")
     ap.add_argument("--top", type=int, default=None, help="lines to list (default 40; --live: 5 a loop)")
     ap.add_argument("--load-use", type=int, default=0, metavar="N",
                     help="list global loads first read within N instructions instead (e.g. 12)")
@@ -341,9 +406,16 @@ def main():
                 raise SystemExit(f"{flag} {kv!r}: use KEY=INTEGER, e.g. {flag} NSLOTS=4")
             out[k] = int(v)
         return out
-    variant = dict(DEFAULT_BUILD, **parse(a.set, "--set"))
     try:
-        if a.live:
+        base = DEFAULT_BUILD
+        if a.preset:
+            from kog_nvidia_hopper.bench import build
+            from kog_nvidia_hopper.plan import plan
+            base = plan(build(a.preset, 4096)[1])["variant"]
+        variant = dict(base, **parse(a.set, "--set"))
+        if a.same_as:
+            lines = report_same_code(variant, a.same_as)
+        elif a.live:
             lines = report_live(variant, a.top or 5)
         elif a.same_loop:
             lines = report_same_loop(variant, dict(variant, **parse(a.same_loop, "--same-loop")))
