@@ -293,13 +293,17 @@ def disassemble_source(src: str, *more: tuple[str, ...]) -> tuple[str, ...]:
     """_disassemble of a whole spliced source (a test's edited copy of a build)."""
     from kog_nvidia_hopper.cuda_util import compile_cubin
     cubin, log = compile_cubin(src)
+    return (src, log, *listings(cubin, ("-g",), *more))
+
+
+def listings(cubin: bytes, *options: tuple[str, ...]) -> list[str]:
+    """`nvdisasm -c` of a cubin, once for each tuple of further options."""
     tool = nvdisasm()
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        listings = [subprocess.run([tool, "-c", *opts, f.name], capture_output=True, text=True, check=True).stdout
-                    for opts in (("-g",), *more)]
-    return (src, log, *listings)
+        return [subprocess.run([tool, "-c", *opts, f.name], capture_output=True, text=True, check=True).stdout
+                for opts in options]
 
 
 def report_load_use(variant: dict, window: int) -> list[str]:
@@ -333,11 +337,7 @@ def revision_kernels(rev: str, into: str) -> "Path":
 def machine_code(src: str) -> str:
     """nvdisasm's listing of a build without line info: the instructions and their addresses."""
     from kog_nvidia_hopper.cuda_util import compile_cubin
-    cubin, _ = compile_cubin(src)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return listings(compile_cubin(src)[0], ())[0]
 
 
 def same_code(variant: dict, kernels_a, kernels_b, name_a: str = "there", name_b: str = "here") -> list[str]:
