@@ -2112,3 +2112,38 @@ def test_revision_kernels_reads_a_git_revision(tmp_path):
     with pytest.raises(KogError) as e:
         revision_kernels("no-such-revision-x", str(tmp_path))
     assert "--same-as needs" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plan_variants_sets_each_variant_alone_and_says_which_fail(monkeypatch, capsys):
+    """plan.py --variants (devcall.sh's VARIANTS syntax): each variant's settings are in the
+    environment for its own plan only and restored after, a refused one prints load's error on its
+    line and the others still run, and the exit status says the worst (1: refused, 2: spills)."""
+    from kog_nvidia_hopper import plan as P
+    _no_hopper_settings(monkeypatch)
+    monkeypatch.setenv("KOG_HOPPER_SLOTS", "5")
+    assert P.variant_settings("A=1 B=2,C=x=3") == [{"A": "1"}, {"B": "2", "C": "x=3"}]
+    with pytest.raises(SystemExit, match="not NAME=VALUE"):
+        P.variant_settings("KOG_HOPPER_SLOTS")
+    import os
+    seen = []
+
+    def fake_plan(program, sms=132):
+        seen.append({k: os.environ.get(k) for k in ("KOG_HOPPER_SLOTS", "KOG_HOPPER_X")})
+        if os.environ.get("KOG_HOPPER_X") == "bad":
+            raise KogError("KOG_HOPPER_X=bad: unset KOG_HOPPER_X")
+        spill = 8 if os.environ.get("KOG_HOPPER_X") == "spill" else 0
+        return {"stages": 1, "slots": 5, "slot_bytes": 31744, "smem": 1, "variant": {},
+                "ptxas": {"registers": 100, "spill_stores": spill, "spill_loads": 0}}
+    monkeypatch.setattr(P, "plan", fake_plan)
+    monkeypatch.setattr("kog_nvidia_hopper.bench.build", lambda preset, context: (None, None))
+    with pytest.raises(SystemExit) as e:
+        P.main(["--preset", "bench-2b", "--variants", "KOG_HOPPER_SLOTS=6 KOG_HOPPER_X=bad KOG_HOPPER_X=ok"])
+    assert e.value.code == 1
+    assert seen == [{"KOG_HOPPER_SLOTS": "6", "KOG_HOPPER_X": None}, {"KOG_HOPPER_SLOTS": "5", "KOG_HOPPER_X": "bad"},
+                    {"KOG_HOPPER_SLOTS": "5", "KOG_HOPPER_X": "ok"}]
+    assert os.environ["KOG_HOPPER_SLOTS"] == "5" and "KOG_HOPPER_X" not in os.environ
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[1] == "KOG_HOPPER_X=bad: error: KOG_HOPPER_X=bad: unset KOG_HOPPER_X"
+    with pytest.raises(SystemExit) as e:
+        P.main(["--preset", "bench-2b", "--variants", "KOG_HOPPER_X=spill"])
+    assert e.value.code == 2

@@ -6,6 +6,8 @@ combination stops with `load`'s own one-line error), and the kernel that `load` 
 is compiled with NVRTC and its registers and spills reported.
 
     KOG_HOPPER_TAG_DOWN=1 python3 -m kog_nvidia_hopper.plan --preset bench-2b [--sms 132]
+    python3 -m kog_nvidia_hopper.plan --preset laneformer-2b --variants "KOG_BASE=1 KOG_HOPPER_SLOTS=6 \
+        KOG_HOPPER_SLOT_KB=26,KOG_HOPPER_SLOTS=6"   # devcall.sh's VARIANTS, one line each
 
 The weights are zeros of the right shapes, so the plan is the real one but nothing is uploaded. The
 device is an sm_90 with `--sms` SMs and 227 KB of opt-in shared memory a block (H100 and H200
@@ -67,6 +69,27 @@ def plan(program, sms: int = 132) -> dict:
             "smem": hb.smem, "variant": v, "ptxas": hb.ptxas}
 
 
+def variant_settings(text: str) -> list[dict]:
+    """devcall.sh's VARIANTS: variants apart by spaces, settings within one by commas."""
+    out = []
+    for v in text.split():
+        d = {}
+        for kv in filter(None, v.split(",")):
+            k, eq, val = kv.partition("=")
+            if not eq or not k:
+                raise SystemExit(f"--variants: {kv!r} is not NAME=VALUE (e.g. KOG_HOPPER_SLOTS=6)")
+            d[k] = val
+        out.append(d)
+    return out
+
+
+def summary(name: str, p: dict) -> str:
+    r = p["ptxas"]
+    return (f"{name}: {p['stages']} stages, ring {p['slots']} x {p['slot_bytes'] // 1024} KB, "
+            f"{p['smem']} bytes of shared memory; registers {r.get('registers')}, spill stores "
+            f"{r['spill_stores']} / loads {r['spill_loads']} bytes (entry {r.get('entry_spill_stores', 0)})")
+
+
 def main(argv=None):
     from kog_nvidia_hopper.bench import build
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -74,8 +97,32 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--sms", type=int, default=132, help="blocks (SMs) to plan for (default 132, the H100 SXM's and the H200's)")
     ap.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    ap.add_argument("--variants", default=None, metavar="VARIANTS",
+                    help="plan each of these (devcall.sh's VARIANTS: spaces between variants, commas between "
+                         "one variant's settings) over the current settings, one line each")
     a = ap.parse_args(argv)
     _, program = build(a.preset, a.context)
+    if a.variants is not None:
+        import os
+        worst = 0
+        for v in variant_settings(a.variants):
+            saved = {k: os.environ.get(k) for k in v}
+            os.environ.update(v)
+            try:
+                p = plan(program, a.sms)
+                spills = p["ptxas"]["spill_stores"] or p["ptxas"]["spill_loads"]
+                print(summary(",".join(f"{k}={x}" for k, x in v.items()), p))
+                worst = max(worst, 2 if spills else 0)
+            except KogError as e:
+                print(f"{','.join(f'{k}={x}' for k, x in v.items())}: error: {e}")
+                worst = max(worst, 1)
+            finally:
+                for k, old in saved.items():
+                    if old is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = old
+        sys.exit(worst)  # 1: some variant is refused, 2: some variant spills
     try:
         p = plan(program, a.sms)
     except KogError as e:
@@ -86,9 +133,7 @@ def main(argv=None):
     r = p["ptxas"]
     flags = " ".join(f"{k}={v}" for k, v in sorted(p["variant"].items())
                      if not k.startswith("ATC_"))  # (the attention's shapes, schedule.attention_shape_consts, left out)
-    print(f"{a.preset}: {p['stages']} stages, ring {p['slots']} x {p['slot_bytes'] // 1024} KB, "
-          f"{p['smem']} bytes of shared memory; registers {r.get('registers')}, spill stores "
-          f"{r['spill_stores']} / loads {r['spill_loads']} bytes (entry {r.get('entry_spill_stores', 0)})")
+    print(summary(a.preset, p))
     print(flags)
     if r["spill_stores"] or r["spill_loads"]:
         sys.exit(2)  # a spilling build is worth knowing about before a device call
