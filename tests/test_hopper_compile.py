@@ -1645,20 +1645,13 @@ def test_every_write_a_launch_needs_goes_in_the_kernels_stream_before_it():
 
 
 def _unlaunched_backend_and_model(name):
-    """A HopperBackend (132 blocks) whose driver calls all succeed with a fake pointer, so `load`'s
+    """A HopperBackend (plan.PlanningBackend, 132 blocks) whose driver calls all succeed with a fake pointer, so `load`'s
     checks run without a GPU, and the small test model `name` (tests/gpu/hopper_models)."""
     from gpu.hopper_models import laneformer_model, model
-    from kog_nvidia_hopper.backend import HopperBackend
-    from kog_nvidia_hopper.plugin import CAPABILITIES
-
-    class Driver:  # every call succeeds and returns a fake pointer
-        def __getattr__(self, name):
-            return lambda *args: (0, 4096)
+    from kog_nvidia_hopper.plan import PlanningBackend  # the stand-in device plan.py uses
 
     arch, prog, w = (laneformer_model if name.startswith("laneformer") else model)(name)
-    hb = HopperBackend.__new__(HopperBackend)
-    hb.drv, hb.nb, hb.capabilities, hb.allocs = Driver(), 132, CAPABILITIES, []
-    return hb, prog, w
+    return PlanningBackend(132), prog, w
 
 
 @pytest.mark.parametrize("name,extra,value", [("llama", {}, "1"), ("laneformer-lane", {"KOG_HOPPER_TAG_X_LANES": "0"}, "1"),

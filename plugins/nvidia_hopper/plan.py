@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -83,6 +84,10 @@ def variant_settings(text: str) -> list[dict]:
     return out
 
 
+def spills(p: dict) -> bool:
+    return bool(p["ptxas"]["spill_stores"] or p["ptxas"]["spill_loads"])
+
+
 def summary(name: str, p: dict) -> str:
     r = p["ptxas"]
     return (f"{name}: {p['stages']} stages, ring {p['slots']} x {p['slot_bytes'] // 1024} KB, "
@@ -103,18 +108,17 @@ def main(argv=None):
     a = ap.parse_args(argv)
     _, program = build(a.preset, a.context)
     if a.variants is not None:
-        import os
         worst = 0
         for v in variant_settings(a.variants):
+            name = ",".join(f"{k}={x}" for k, x in v.items())
             saved = {k: os.environ.get(k) for k in v}
             os.environ.update(v)
             try:
                 p = plan(program, a.sms)
-                spills = p["ptxas"]["spill_stores"] or p["ptxas"]["spill_loads"]
-                print(summary(",".join(f"{k}={x}" for k, x in v.items()), p))
-                worst = max(worst, 2 if spills else 0)
+                print(summary(name, p))
+                worst = max(worst, 2 if spills(p) else 0)
             except KogError as e:
-                print(f"{','.join(f'{k}={x}' for k, x in v.items())}: error: {e}")
+                print(f"{name}: error: {e}")
                 worst = max(worst, 1)
             finally:
                 for k, old in saved.items():
@@ -130,12 +134,11 @@ def main(argv=None):
     if a.json:
         print(json.dumps(p, default=str))
         return
-    r = p["ptxas"]
     flags = " ".join(f"{k}={v}" for k, v in sorted(p["variant"].items())
                      if not k.startswith("ATC_"))  # (the attention's shapes, schedule.attention_shape_consts, left out)
     print(summary(a.preset, p))
     print(flags)
-    if r["spill_stores"] or r["spill_loads"]:
+    if spills(p):
         sys.exit(2)  # a spilling build is worth knowing about before a device call
 
 
